@@ -1,0 +1,1 @@
+"""Model families: everything that knows tensor names and math."""

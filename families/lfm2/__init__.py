@@ -1,0 +1,8 @@
+"""LiquidAI's LFM2 / LFM2.5 family: dense and MoE targets and their DSpark drafters."""
+
+from .config import CheckpointError, Lfm2Config
+from .loader import load_model
+from .target import ContextLimitError, Lfm2Target
+from .tokenizer import ChatTokenizer
+
+__all__ = ["CheckpointError", "ContextLimitError", "ChatTokenizer", "Lfm2Config", "Lfm2Target", "load_model"]

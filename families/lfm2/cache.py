@@ -1,0 +1,150 @@
+"""Per-lane caches held in slot pools, and the layout of a ragged round.
+
+Every lane owns one slot. A pool keeps one layer's state for all slots in one array, so a
+round reads and writes every lane's state with one gather/scatter per layer instead of
+one op per lane. Attention keys are stored at their absolute positions, so rolling a
+lane back is only a shorter committed length: rows past it are never attended (the
+causal mask compares positions) and are overwritten by the next round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+class RaggedLayout:
+    """Where each lane's rows sit in a round.
+
+    Rows travel packed (`[R, ...]`, lane after lane, no padding) through every per-row
+    layer, and padded (`[N, W, ...]`, W the widest lane) through the layers that mix
+    rows in time (conv, attention). Padding rows follow a lane's real rows, so causal
+    operators never let them reach a real row.
+    """
+
+    def __init__(self, widths: list[int], offsets: list[int]):
+        if not widths or min(widths) < 1:
+            raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
+        self.widths = list(widths)
+        self.offsets = list(offsets)
+        self.lanes = len(widths)
+        self.width = max(widths)
+        self.rows = sum(widths)
+        self.uniform = min(widths) == self.width
+        self.row_starts = [0]
+        for w in widths[:-1]:
+            self.row_starts.append(self.row_starts[-1] + w)
+        self.offsets_array = mx.array(self.offsets, dtype=mx.int32)
+        self.widths_array = mx.array(self.widths, dtype=mx.int32)
+        # Key span the round's attention reads: the furthest row any lane reaches.
+        self.span = max(o + self.width for o in self.offsets)
+        if not self.uniform:
+            pad_index, unpad_index = [], []
+            for i, (start, w) in enumerate(zip(self.row_starts, widths)):
+                pad_index += [start + min(j, w - 1) for j in range(self.width)]
+                unpad_index += [i * self.width + j for j in range(w)]
+            self._pad_index = mx.array(pad_index, dtype=mx.int32)
+            self._unpad_index = mx.array(unpad_index, dtype=mx.int32)
+
+    def pad(self, x: mx.array) -> mx.array:
+        """[R, ...] packed rows -> [N, W, ...]."""
+        if not self.uniform:
+            x = x[self._pad_index]
+        return x.reshape(self.lanes, self.width, *x.shape[1:])
+
+    def unpad(self, x: mx.array) -> mx.array:
+        """[N, W, ...] -> [R, ...] packed rows."""
+        x = x.reshape(self.lanes * self.width, *x.shape[2:])
+        return x if self.uniform else x[self._unpad_index]
+
+    def positions(self) -> mx.array:
+        """[N, W] absolute position of every padded row."""
+        return self.offsets_array[:, None] + mx.arange(self.width, dtype=mx.int32)[None, :]
+
+    def attention_mask(self, keys: int) -> mx.array | None:
+        """[N, 1, W, keys] boolean: row j of lane i sees keys at positions <= offset_i + j.
+        None where plain causal alignment already says the same."""
+        if self.lanes == 1 and self.offsets[0] + self.width == keys:
+            return None if self.width == 1 else "causal"
+        visible = mx.arange(keys, dtype=mx.int32)[None, None, :] <= self.positions()[:, :, None]
+        return visible[:, None]
+
+
+@dataclass
+class LaneSlot:
+    """A lane's place in the target's caches: its slot and how many tokens it has committed."""
+
+    slot: int
+    length: int = 0
+
+
+class KVPool:
+    """One attention layer's keys and values for every slot, `[S, kv_heads, capacity, D]`.
+
+    Stored flat as `[S * kv_heads * capacity, D]` so a round's rows, each at its own
+    slot and position, are written with one scatter that updates the pool in place."""
+
+    STEP = 256
+
+    def __init__(self, slots: int, kv_heads: int, head_dim: int, dtype):
+        self.slots, self.kv_heads, self.head_dim, self.dtype = slots, kv_heads, head_dim, dtype
+        self.capacity = 0
+        self.keys = mx.zeros((0, head_dim), dtype=dtype)
+        self.values = mx.zeros((0, head_dim), dtype=dtype)
+
+    def _shaped(self, flat: mx.array) -> mx.array:
+        return flat.reshape(self.slots, self.kv_heads, self.capacity, self.head_dim)
+
+    def reserve(self, positions: int) -> None:
+        """Grow (in steps, copying once) so every slot can hold `positions` rows."""
+        if positions <= self.capacity:
+            return
+        new_capacity = -(-positions // self.STEP) * self.STEP
+        grow = mx.zeros((self.slots, self.kv_heads, new_capacity - self.capacity, self.head_dim), self.dtype)
+        keys = mx.concatenate([self._shaped(self.keys), grow], axis=2) if self.capacity else grow
+        values = mx.concatenate([self._shaped(self.values), grow], axis=2) if self.capacity else grow
+        self.capacity = new_capacity
+        self.keys = keys.reshape(-1, self.head_dim)
+        self.values = values.reshape(-1, self.head_dim)
+
+    def write(self, slots: list[int], layout: RaggedLayout, keys: mx.array, values: mx.array) -> None:
+        """Store `[N, kv_heads, W, D]` rows at their lanes' slots and positions."""
+        rows = (
+            (mx.array(slots, dtype=mx.int32)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
+            * self.capacity
+            + layout.positions()[:, None, :]
+        )
+        self.keys[rows] = keys.astype(self.dtype)
+        self.values[rows] = values.astype(self.dtype)
+
+    def read(self, slots: list[int], span: int) -> tuple[mx.array, mx.array]:
+        """Keys and values `[N, kv_heads, span, D]` of the given slots."""
+        keys, values = self._shaped(self.keys), self._shaped(self.values)
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return keys[first : first + len(slots), :, :span], values[first : first + len(slots), :, :span]
+        index = mx.array(slots, dtype=mx.int32)
+        return keys[index, :, :span], values[index, :, :span]
+
+    def nbytes_per_position(self) -> int:
+        return 2 * self.slots * self.kv_heads * self.head_dim * self.dtype.size
+
+
+class ConvPool:
+    """One conv layer's last `L-1` rows of `u` for every slot, `[S, L-1, H]`."""
+
+    def __init__(self, slots: int, rows: int, hidden: int, dtype):
+        self.state = mx.zeros((slots, rows, hidden), dtype=dtype)
+
+    def read(self, slots: list[int]) -> mx.array:
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return self.state[first : first + len(slots)]
+        return self.state[mx.array(slots, dtype=mx.int32)]
+
+    def write(self, slots: list[int], rows: mx.array) -> None:
+        self.state[mx.array(slots, dtype=mx.int32)] = rows.astype(self.state.dtype)
+
+    def clear(self, slot: int) -> None:
+        self.state[slot] = mx.zeros(self.state.shape[1:], self.state.dtype)

@@ -1,0 +1,202 @@
+"""Reading LFM2 / LFM2-MoE config.json files.
+
+Every field is read from the checkpoint; defaults apply only where the released files
+omit a key. A file that contradicts itself or the architecture is refused with a
+`CheckpointError` that names the field, never a traceback from deep inside a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that laneserve cannot serve; the message names the problem."""
+
+
+MODEL_TYPES = ("lfm2", "lfm2_moe")
+LAYER_KINDS = ("conv", "full_attention")
+DEFAULT_ROPE_THETA = 1e6
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def _int_field(raw: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
+    value = raw.get(key, default)
+    if value is None:
+        raise CheckpointError(f"config.json lacks '{key}'")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CheckpointError(f"config.json '{key}' must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def rope_theta_of(raw: dict) -> float:
+    """`rope_parameters.rope_theta` wins over a top-level `rope_theta` (LFM2.5 files carry
+    their real theta only in the nested form); 1e6 when neither is present."""
+    nested = raw.get("rope_parameters") or {}
+    theta = nested.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise CheckpointError(f"config.json rope theta must be a finite positive number, got {theta!r}")
+    return float(theta)
+
+
+def layer_kinds_of(raw: dict, num_layers: int) -> tuple[str, ...]:
+    """Per-layer operator kinds from `layer_types`, or from the older `full_attn_idxs`."""
+    if raw.get("layer_types") is not None:
+        kinds = raw["layer_types"]
+        if not isinstance(kinds, list) or len(kinds) != num_layers:
+            raise CheckpointError(
+                f"config.json 'layer_types' must list {num_layers} layer kinds, got {kinds!r}"
+            )
+        bad = sorted({k for k in kinds if k not in LAYER_KINDS}, key=str)
+        if bad:
+            raise CheckpointError(f"config.json 'layer_types' has unknown layer kinds {bad}; expected {LAYER_KINDS}")
+        return tuple(kinds)
+    idxs = raw.get("full_attn_idxs")
+    if idxs is None:
+        raise CheckpointError("config.json has neither 'layer_types' nor 'full_attn_idxs'")
+    if not isinstance(idxs, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in idxs):
+        raise CheckpointError(f"config.json 'full_attn_idxs' must be a list of layer indices, got {idxs!r}")
+    outside = [i for i in idxs if not 0 <= i < num_layers]
+    if outside:
+        raise CheckpointError(f"config.json 'full_attn_idxs' has indices outside 0..{num_layers - 1}: {outside}")
+    return tuple("full_attention" if i in idxs else "conv" for i in range(num_layers))
+
+
+def _id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+@dataclass(frozen=True)
+class Lfm2Config:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    layer_kinds: tuple[str, ...]
+    conv_kernel: int
+    conv_bias: bool
+    norm_eps: float
+    rope_theta: float
+    max_position: int
+    eos_ids: tuple[int, ...]
+    bos_id: int | None
+    pad_id: int | None
+    # MoE (lfm2_moe only)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    num_dense_layers: int = 0
+    norm_topk_prob: bool = True
+    use_expert_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    # MLX quantization block ({"group_size", "bits", per-layer overrides}) when present
+    quantization: dict | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type == "lfm2_moe"
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full_attention")
+
+    @property
+    def conv_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "conv")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.num_dense_layers
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Lfm2Config:
+        model_type = raw.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise CheckpointError(f"config.json model_type {model_type!r} is not one of {MODEL_TYPES}")
+        hidden = _int_field(raw, "hidden_size")
+        layers = _int_field(raw, "num_hidden_layers")
+        heads = _int_field(raw, "num_attention_heads")
+        kv_heads = _int_field(raw, "num_key_value_heads", heads)
+        if hidden % heads:
+            raise CheckpointError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        if heads % kv_heads:
+            raise CheckpointError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        eps = raw.get("norm_eps", 1e-5)
+        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise CheckpointError(f"config.json 'norm_eps' must be a finite positive number, got {eps!r}")
+        moe: dict[str, Any] = {}
+        if model_type == "lfm2_moe":
+            experts = _int_field(raw, "num_experts")
+            top_k = _int_field(raw, "num_experts_per_tok")
+            if top_k > experts:
+                raise CheckpointError(f"config.json num_experts_per_tok {top_k} exceeds num_experts {experts}")
+            moe = dict(
+                num_experts=experts,
+                experts_per_token=top_k,
+                num_dense_layers=_int_field(raw, "num_dense_layers", 0, minimum=0),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                use_expert_bias=bool(raw.get("use_expert_bias", True)),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
+            )
+        return cls(
+            model_type=model_type,
+            vocab_size=_int_field(raw, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            layer_kinds=layer_kinds_of(raw, layers),
+            conv_kernel=_int_field(raw, "conv_L_cache", 3, minimum=2),
+            conv_bias=bool(raw.get("conv_bias", False)),
+            norm_eps=float(eps),
+            rope_theta=rope_theta_of(raw),
+            max_position=_int_field(raw, "max_position_embeddings", 128_000),
+            eos_ids=tuple(_id_list(raw.get("eos_token_id"))),
+            bos_id=raw.get("bos_token_id"),
+            pad_id=raw.get("pad_token_id"),
+            quantization=raw.get("quantization") or raw.get("quantization_config"),
+            **moe,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Lfm2Config:
+        return cls.from_dict(read_json(Path(path) / "config.json"))
+
+
+def eos_ids_of(path: str | Path, config: Lfm2Config, token_to_id) -> tuple[int, ...]:
+    """The union of eos ids from config.json, generation_config.json and
+    tokenizer_config.json (its `eos_token` is a string; `token_to_id` maps it)."""
+    path = Path(path)
+    ids = list(config.eos_ids)
+    if (path / "generation_config.json").exists():
+        ids += _id_list(read_json(path / "generation_config.json").get("eos_token_id"))
+    if (path / "tokenizer_config.json").exists():
+        token = read_json(path / "tokenizer_config.json").get("eos_token")
+        if isinstance(token, dict):  # AddedToken serialisation
+            token = token.get("content")
+        if isinstance(token, str) and token_to_id(token) is not None:
+            ids.append(token_to_id(token))
+    return tuple(dict.fromkeys(ids))

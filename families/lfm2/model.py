@@ -1,0 +1,263 @@
+"""The LFM2 target, dense and mixture-of-experts, in MLX.
+
+Each decoder layer is pre-norm: `h = x + op(operator_norm(x))`, `out = h + ffn(ffn_norm(h))`
+with `op` a gated short convolution or grouped-query attention. Layers run two ways:
+over whole sequences (`__call__`, used by training and references), and over the ragged
+rows of a serving round (`ragged`), where every lane brings its own rows at its own
+position and its state lives in slot pools (cache.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import ConvPool, KVPool, RaggedLayout
+from .config import Lfm2Config
+
+
+class ShortConv(nn.Module):
+    """`B, C, X = split(in_proj(x))`; `y = out_proj(C * causal_conv(B * X))`."""
+
+    def __init__(self, cfg: Lfm2Config):
+        super().__init__()
+        self.kernel = cfg.conv_kernel
+        self.in_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.conv_bias)
+        # Depthwise: MLX's conv1d layout [out, kernel, in / groups].
+        self.conv = nn.Conv1d(cfg.hidden_size, cfg.hidden_size, cfg.conv_kernel, groups=cfg.hidden_size, bias=cfg.conv_bias)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.conv_bias)
+
+    def gates(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
+        return b * x, c
+
+    def __call__(self, x: mx.array) -> mx.array:
+        u, c = self.gates(x)
+        v = self.conv(mx.pad(u, [(0, 0), (self.kernel - 1, 0), (0, 0)]))
+        return self.out_proj(c * v)
+
+    def ragged(self, x: mx.array, layout: RaggedLayout, state: mx.array) -> tuple[mx.array, mx.array]:
+        """Packed rows -> packed outputs, and the conv input `[N, L-1+W, H]` (the state
+        before the round followed by this round's `u` rows) from which commit rebuilds
+        the state after any number of accepted rows."""
+        u, c = self.gates(x)
+        window = mx.concatenate([state, layout.pad(u)], axis=1)
+        v = layout.unpad(self.conv(window))
+        return self.out_proj(c * v), window
+
+
+class Attention(nn.Module):
+    """GQA with per-head RMSNorm on q and k before split-half ("neox") RoPE."""
+
+    def __init__(self, cfg: Lfm2Config):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rope_theta = cfg.rope_theta
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.out_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_layernorm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        self.k_layernorm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """[..., T, H] -> q, k, v as [..., T, heads, D] (q and k normed, no RoPE yet)."""
+        lead = x.shape[:-1]
+        q = self.q_layernorm(self.q_proj(x).reshape(*lead, self.heads, self.head_dim))
+        k = self.k_layernorm(self.k_proj(x).reshape(*lead, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(*lead, self.kv_heads, self.head_dim)
+        return q, k, v
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        q, k = self.rope(q, 0), self.rope(k, 0)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
+        return self.out_proj(o.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def ragged(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
+        q, k, v = (layout.pad(t).transpose(0, 2, 1, 3) for t in self.qkv(x))
+        offset = layout.offsets[0] if layout.lanes == 1 else layout.offsets_array
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        pool.write(slots, layout, k, v)
+        keys, values = pool.read(slots, layout.span)
+        mask = layout.attention_mask(layout.span)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        o = o.transpose(0, 2, 1, 3).reshape(layout.lanes, layout.width, -1)
+        return self.out_proj(layout.unpad(o))
+
+
+class DenseFFN(nn.Module):
+    """`w2(silu(w1 x) * w3 x)`."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, width, bias=False)
+        self.w3 = nn.Linear(hidden, width, bias=False)
+        self.w2 = nn.Linear(width, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+
+
+class ExpertLinear(nn.Module):
+    """One linear map per expert, `weight [E, out, in]`, applied to the chosen experts."""
+
+    def __init__(self, experts: int, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = mx.zeros((experts, outputs, inputs))
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=experts, sorted_indices=sorted_experts)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine"):
+        quantized = QuantizedExpertLinear(group_size, bits, mode)
+        quantized.weight, quantized.scales, *biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        if biases:
+            quantized.biases = biases[0]
+        return quantized
+
+
+class QuantizedExpertLinear(nn.Module):
+    def __init__(self, group_size: int, bits: int, mode: str = "affine"):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.freeze()
+
+    def __call__(self, x: mx.array, experts: mx.array, sorted_experts: bool) -> mx.array:
+        return mx.gather_qmm(
+            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=experts, transpose=True,
+            group_size=self.group_size, bits=self.bits, mode=self.mode, sorted_indices=sorted_experts,
+        )
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU, stacked: w1, w3 `[E, I, H]`, w2 `[E, H, I]`."""
+
+    def __init__(self, experts: int, hidden: int, width: int):
+        super().__init__()
+        self.w1 = ExpertLinear(experts, hidden, width)
+        self.w3 = ExpertLinear(experts, hidden, width)
+        self.w2 = ExpertLinear(experts, width, hidden)
+
+    def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
+        """x [R, H], chosen [R, k] -> [R, k, H]."""
+        rows, k = chosen.shape
+        # Many rows: sort the (row, expert) pairs by expert so each expert's weights are
+        # read once; x becomes [R*k, 1, H] against indices [R*k].
+        sort = chosen.size >= 64
+        if sort:
+            order = mx.argsort(chosen.flatten())
+            x, index = x[order // k][:, None, :], chosen.flatten()[order]
+        else:
+            x, index = x[:, None, None, :], chosen  # [R, 1, 1, H] against [R, k]
+        y = self.w2(nn.silu(self.w1(x, index, sort)) * self.w3(x, index, sort), index, sort)
+        if sort:
+            return y[mx.argsort(order)].reshape(rows, k, -1)
+        return y.squeeze(-2)
+
+
+class SparseMoE(nn.Module):
+    """Sigmoid routing in float32: top-k by `score + expert_bias` (the bias only selects),
+    weights are the unbiased scores of the chosen experts, renormalised when
+    `norm_topk_prob`, times `routed_scaling_factor`. No shared expert."""
+
+    def __init__(self, cfg: Lfm2Config, width: int):
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if cfg.use_expert_bias:
+            self.expert_bias = mx.zeros((cfg.num_experts,), dtype=mx.float32)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, width)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        if isinstance(self.gate, nn.QuantizedLinear):
+            scores = mx.sigmoid(self.gate(x).astype(mx.float32))
+        else:
+            scores = mx.sigmoid(x.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T)
+        ranking = scores + self["expert_bias"] if "expert_bias" in self else scores
+        chosen = mx.stop_gradient(mx.argpartition(-ranking, kth=self.top_k - 1, axis=-1)[:, : self.top_k])
+        weights = mx.take_along_axis(scores, chosen, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-6)
+        weights = (weights * self.scaling).astype(x.dtype)
+        y = (self.experts(x, chosen) * weights[..., None]).sum(axis=-2)
+        return y.reshape(*lead, -1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Lfm2Config, index: int, ffn_width: int):
+        super().__init__()
+        self.is_attention = cfg.layer_kinds[index] == "full_attention"
+        if self.is_attention:
+            self.self_attn = Attention(cfg)
+        else:
+            self.conv = ShortConv(cfg)
+        self.feed_forward = SparseMoE(cfg, ffn_width) if cfg.is_moe_layer(index) else DenseFFN(cfg.hidden_size, ffn_width)
+        self.operator_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        op = self.self_attn if self.is_attention else self.conv
+        h = x + op(self.operator_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Lfm2Model(nn.Module):
+    def __init__(self, cfg: Lfm2Config, ffn_widths: list[int]):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = [DecoderLayer(cfg, i, w) for i, w in enumerate(ffn_widths)]
+        self.embedding_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Final norm, then the tied head: `logits = norm(h) @ embed_tokens.T`."""
+        return self.embed_tokens.as_linear(self.embedding_norm(h))
+
+    def __call__(self, tokens: mx.array, taps: tuple[int, ...] = ()) -> tuple[mx.array, list[mx.array]]:
+        """Whole sequences `[B, T]` from position 0 -> residual `[B, T, H]` after the last
+        layer (before the final norm), and the residual after each layer in `taps`."""
+        h = self.embed_tokens(tokens)
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i in taps:
+                tapped.append(h)
+        return h, tapped
+
+    def ragged(
+        self,
+        tokens: mx.array,
+        layout: RaggedLayout,
+        slots: list[int],
+        kv: dict[int, KVPool],
+        conv: dict[int, ConvPool],
+        taps: tuple[int, ...] = (),
+    ) -> tuple[mx.array, list[mx.array], dict[int, mx.array]]:
+        """One forward over a round's packed rows `[R]`: every layer runs once over all
+        lanes. Attention rows are written to the KV pools at their positions; conv
+        states are left untouched: the conv input windows are returned instead, so the
+        caller rebuilds each state once it knows how many rows each lane keeps."""
+        windows = {}
+        h = self.embed_tokens(tokens)
+        tapped = []
+        for i, layer in enumerate(self.layers):
+            x = layer.operator_norm(h)
+            if layer.is_attention:
+                r = layer.self_attn.ragged(x, layout, slots, kv[i])
+            else:
+                r, windows[i] = layer.conv.ragged(x, layout, conv[i].read(slots))
+            h = h + r
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+            if i in taps:
+                tapped.append(h)
+        return h, tapped, windows
