@@ -1,0 +1,1 @@
+"""The lane core: streams, rounds, pricing, guards, verification."""

@@ -1,0 +1,190 @@
+"""The draft guard: does drafting pay this round?
+
+Drafting costs a drafter forward and wider verifies; whether it pays depends on how
+many lanes share the round and how long their contexts are, so the guard keeps its
+evidence per (lanes band, context band) and compares what rounds actually delivered:
+tokens emitted per second of round time.
+
+Per band:
+- Exploration: a band with no evidence drafts for its first `explore_rounds` rounds,
+  then runs plain for as many, so both choices have a measurement.
+- After that it runs the choice whose realised throughput is higher (drafting only while
+  drafted rounds measure strictly faster) and now and then probes the other choice, so
+  that a change (acceptance rising or falling) is noticed and the guard switches back.
+- Probe budget (the precise rule): a probe runs only if, counting it at its choice's mean
+  round time, probe seconds in the band stay <= `budget` x all seconds recorded in the
+  band (probes included). Probes are spaced by this rule alone. The time they lose
+  against the winner is at most that share and usually much less. Exploration rounds
+  are not probes and are not counted in the budget; they happen once per band.
+- Throughput per choice is a ratio of decayed sums (tokens over seconds). Both choices'
+  sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
+  judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
+  So one lucky probe can flip the choice; the new winner's own rounds then flip it back
+  within a few rounds if the probe was luck.
+- Bands keep their evidence, so a lane that arrives in a band where drafting lost starts
+  plain.
+
+Time comes from the round seconds passed to `record`: no clock is read here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from lanes.bands import Band
+
+logger = logging.getLogger("laneserve.guard")
+
+# The vocabulary of GuardDecision.reason.
+EXPLORE = "explore"
+DRAFTING_FASTER = "drafting faster"
+DRAFTING_NOT_FASTER = "drafting not faster"
+PROBE = "probe"
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    """What the guard decided for one round, and the evidence it decided on.
+
+    `reason` is one of EXPLORE, DRAFTING_FASTER, DRAFTING_NOT_FASTER, PROBE; `probe` is true for
+    a round that runs the choice currently measured slower.
+    """
+
+    draft: bool
+    probe: bool
+    band: Band
+    drafted_tps: float | None
+    plain_tps: float | None
+    reason: str
+
+
+@dataclass
+class _Throughput:
+    """Decayed sums of one choice's rounds in one band."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0  # decayed count of rounds
+    rounds: int = 0  # undecayed count of rounds
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.rounds else None
+
+    @property
+    def mean_round_seconds(self) -> float:
+        return self.seconds / self.weight
+
+    def decay(self, keep: float) -> None:
+        # Decay leaves the ratios alone; it only stops before underflow makes them 0/0.
+        if self.weight < 1e-9:
+            return
+        self.tokens *= keep
+        self.seconds *= keep
+        self.weight *= keep
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.weight += 1.0
+        self.rounds += 1
+
+
+@dataclass
+class _BandEvidence:
+    drafted: _Throughput = field(default_factory=_Throughput)
+    plain: _Throughput = field(default_factory=_Throughput)
+    seconds: float = 0.0
+    probe_seconds: float = 0.0
+    probe_rounds: int = 0
+
+    def drafting_wins(self) -> bool:
+        return self.drafted.tokens_per_second > self.plain.tokens_per_second
+
+
+class DraftGuard:
+    """Decides per round whether to draft, from realised throughput per band (see module doc)."""
+
+    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 2) -> None:
+        """`budget`: the share of a band's seconds that probes may take; `smoothing`: the
+        per-round decay of old evidence; `explore_rounds`: rounds of each choice a new band runs."""
+        if not 0.0 < budget < 1.0:
+            raise ValueError(f"budget must be in (0, 1), got {budget}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if explore_rounds < 1:
+            raise ValueError(f"explore_rounds must be at least 1, got {explore_rounds}")
+        self._budget = budget
+        self._keep = 1.0 - smoothing
+        self._explore_rounds = explore_rounds
+        self._bands: dict[Band, _BandEvidence] = {}
+
+    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
+        """Whether the next round of `lanes` decoding lanes at `context_tokens` tokens of
+        context (pass the same measure everywhere, e.g. the longest lane's) should draft.
+        Changes nothing: evidence only moves in `record`."""
+        band = Band.of(lanes, context_tokens)
+        evidence = self._bands.get(band, _BandEvidence())
+        drafted, plain = evidence.drafted, evidence.plain
+        if drafted.rounds < self._explore_rounds:
+            draft, probe, reason = True, False, EXPLORE
+        elif plain.rounds < self._explore_rounds:
+            draft, probe, reason = False, False, EXPLORE
+        else:
+            drafting_wins = evidence.drafting_wins()
+            loser = plain if drafting_wins else drafted
+            probe = self._probe_affordable(evidence, loser.mean_round_seconds)
+            draft = drafting_wins != probe
+            reason = PROBE if probe else DRAFTING_FASTER if drafting_wins else DRAFTING_NOT_FASTER
+        decision = GuardDecision(draft, probe, band, drafted.tokens_per_second, plain.tokens_per_second, reason)
+        logger.debug(
+            "guard decide lanes=%d context_tokens=%d band=%s draft=%s probe=%s reason=%r "
+            "drafted_tps=%s plain_tps=%s drafted_rounds=%d plain_rounds=%d probe_seconds=%.6f band_seconds=%.6f",
+            lanes, context_tokens, band, draft, probe, reason,
+            _format_tps(decision.drafted_tps), _format_tps(decision.plain_tps),
+            drafted.rounds, plain.rounds, evidence.probe_seconds, evidence.seconds,
+        )
+        return decision
+
+    def record(self, decision: GuardDecision, round_seconds: float, emitted_tokens: int) -> None:
+        """Fold in a round that ran as `decision` said: its wall seconds (drafter forward
+        included) and the tokens it emitted over all its lanes."""
+        if not round_seconds > 0.0:
+            raise ValueError(f"a round takes positive time, got {round_seconds}")
+        if emitted_tokens < 0:
+            raise ValueError(f"emitted tokens cannot be negative, got {emitted_tokens}")
+        evidence = self._bands.setdefault(decision.band, _BandEvidence())
+        evidence.drafted.decay(self._keep)
+        evidence.plain.decay(self._keep)
+        (evidence.drafted if decision.draft else evidence.plain).add(round_seconds, emitted_tokens)
+        evidence.seconds += round_seconds
+        if decision.probe:
+            evidence.probe_seconds += round_seconds
+            evidence.probe_rounds += 1
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per band (keyed by str(band)), plain values for metrics export."""
+        report = {}
+        for band, evidence in sorted(self._bands.items()):
+            explored = min(evidence.drafted.rounds, evidence.plain.rounds) >= self._explore_rounds
+            report[str(band)] = {
+                "lanes": band.lanes_label,
+                "context": band.context_label,
+                "drafting_wins": evidence.drafting_wins() if explored else None,
+                "drafted_tps": evidence.drafted.tokens_per_second,
+                "plain_tps": evidence.plain.tokens_per_second,
+                "drafted_rounds": evidence.drafted.rounds,
+                "plain_rounds": evidence.plain.rounds,
+                "probe_rounds": evidence.probe_rounds,
+                "probe_seconds": evidence.probe_seconds,
+                "seconds": evidence.seconds,
+            }
+        return report
+
+    def _probe_affordable(self, evidence: _BandEvidence, probe_seconds: float) -> bool:
+        return evidence.probe_seconds + probe_seconds <= self._budget * (evidence.seconds + probe_seconds)
+
+
+def _format_tps(tps: float | None) -> str:
+    return "none" if tps is None else f"{tps:.3f}"

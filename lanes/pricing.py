@@ -1,0 +1,229 @@
+"""Pricing verify windows: chain chances, the measured cost of a round, the prefix scheduler.
+
+A drafting lane verifies `1 + d` rows (its anchor and d drafts) and expects to emit
+`1 + a_1 + ... + a_d` tokens, where `a_k` is the chance that drafts 1..k all survive.
+The scheduler picks every lane's d before the target runs so that expected tokens per
+second of the whole round is as high as the prefix rule allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lanes.bands import Band
+
+
+def chain_chances(confidences: Sequence[float]) -> list[float]:
+    """a_k = c_1 * ... * c_k: the chance that drafts 1..k all survive.
+
+    Each c_k is the chance that draft k survives given that the ones before it did.
+    """
+    chances = []
+    survival = 1.0
+    for k, confidence in enumerate(confidences, start=1):
+        if not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"confidence {k} is {confidence}, not a probability")
+        survival *= confidence
+        chances.append(survival)
+    return chances
+
+
+@dataclass(frozen=True)
+class VerifyWindow:
+    """One drafting lane's window in a round: what was proposed, how sure, how deep to verify.
+
+    `chances` is derived from the calibrated `confidences`; `depth` is how many of the
+    proposals enter the target's rows.
+    """
+
+    proposals: tuple[int, ...]
+    raw_confidences: tuple[float, ...]
+    confidences: tuple[float, ...]
+    depth: int
+    chances: tuple[float, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Frozen: normalise sequences to tuples so a window is hashable and cannot change.
+        object.__setattr__(self, "proposals", tuple(self.proposals))
+        object.__setattr__(self, "raw_confidences", tuple(self.raw_confidences))
+        object.__setattr__(self, "confidences", tuple(self.confidences))
+        if not len(self.proposals) == len(self.raw_confidences) == len(self.confidences):
+            raise ValueError(
+                f"window lengths disagree: {len(self.proposals)} proposals, "
+                f"{len(self.raw_confidences)} raw and {len(self.confidences)} calibrated confidences"
+            )
+        if not 0 <= self.depth <= len(self.proposals):
+            raise ValueError(f"depth {self.depth} outside 0..{len(self.proposals)}")
+        object.__setattr__(self, "chances", tuple(chain_chances(self.confidences)))
+
+    @property
+    def rows(self) -> int:
+        """Target rows this window occupies: the anchor plus the verified drafts."""
+        return 1 + self.depth
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens this window is expected to emit: one from the anchor row, plus a_1..a_depth."""
+        return 1.0 + sum(self.chances[: self.depth])
+
+    @property
+    def verified_proposals(self) -> tuple[int, ...]:
+        """The drafts that enter the target's rows."""
+        return self.proposals[: self.depth]
+
+
+class NoCostData(LookupError):
+    """The cost table has no measurement to estimate from (seed it with a warm-up profile)."""
+
+
+def interpolate_cost(seconds_by_rows: Mapping[int, float], rows: int) -> float:
+    """Seconds of a round of `rows` rows, from the measured seconds of other row counts.
+
+    Measurements are first made non-decreasing in rows (a round of more rows never costs
+    less; a dip is noise). Between measured row counts the estimate is linear between the
+    two neighbours only, so a staircase with a cliff stays a staircase; below the
+    smallest measured count it is flat; above the largest it continues the slope of the
+    last two measured counts (flat with a single measurement), never below the last.
+    """
+    if not seconds_by_rows:
+        raise NoCostData("no measured row counts")
+    measured_rows = np.array(sorted(seconds_by_rows), dtype=float)
+    seconds = np.maximum.accumulate([seconds_by_rows[r] for r in sorted(seconds_by_rows)])
+    if rows <= measured_rows[-1]:
+        return float(np.interp(rows, measured_rows, seconds))
+    if len(measured_rows) == 1:
+        return float(seconds[-1])
+    slope = (seconds[-1] - seconds[-2]) / (measured_rows[-1] - measured_rows[-2])
+    return float(seconds[-1] + slope * (rows - measured_rows[-1]))
+
+
+class CostTable:
+    """Measured seconds of a target round by row count, per (lanes band, context band),
+    and of the drafter's forward per band.
+
+    Seeded by a warm-up profile (`seed`, or `seeds` at construction) and refined from
+    live rounds (`observe`: an exponential moving average per measured key). A band
+    with no measurements borrows the nearest measured band (fewest band steps; ties go
+    to the larger band, whose cost is the safer guess).
+    """
+
+    def __init__(
+        self,
+        smoothing: float = 0.1,
+        seeds: Iterable[tuple[int, int, int, float]] = (),
+    ) -> None:
+        """`smoothing` is the weight of each live observation; `seeds` are
+        (rows, lanes, context_tokens, seconds) warm-up measurements."""
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self._smoothing = smoothing
+        self._round_seconds: dict[Band, dict[int, float]] = {}
+        self._draft_seconds: dict[Band, float] = {}
+        for rows, lanes, context_tokens, seconds in seeds:
+            self.seed(rows, lanes, context_tokens, seconds)
+
+    def seed(self, rows: int, lanes: int, context_tokens: int, seconds: float) -> None:
+        """Set the cost of `rows` rows in this band from a warm-up measurement."""
+        _check_measurement(rows, seconds)
+        self._round_seconds.setdefault(Band.of(lanes, context_tokens), {})[rows] = seconds
+
+    def observe(self, rows: int, lanes: int, context_tokens: int, seconds: float) -> None:
+        """Fold a live round's seconds into the cost of `rows` rows in this band."""
+        _check_measurement(rows, seconds)
+        by_rows = self._round_seconds.setdefault(Band.of(lanes, context_tokens), {})
+        by_rows[rows] = self._smoothed(by_rows.get(rows), seconds)
+
+    def estimate(self, rows: int, lanes: int, context_tokens: int) -> float:
+        """Estimated seconds of a target round of `rows` rows (see `interpolate_cost`)."""
+        band = _nearest(self._round_seconds, Band.of(lanes, context_tokens))
+        return interpolate_cost(self._round_seconds[band], rows)
+
+    def observe_draft(self, lanes: int, context_tokens: int, seconds: float) -> None:
+        """Fold a live drafter forward's seconds into this band's drafter cost."""
+        _check_measurement(1, seconds)
+        band = Band.of(lanes, context_tokens)
+        self._draft_seconds[band] = self._smoothed(self._draft_seconds.get(band), seconds)
+
+    def estimate_draft(self, lanes: int, context_tokens: int) -> float:
+        """Estimated seconds of one batched drafter forward for this many lanes."""
+        return self._draft_seconds[_nearest(self._draft_seconds, Band.of(lanes, context_tokens))]
+
+    def _smoothed(self, previous: float | None, seconds: float) -> float:
+        if previous is None:
+            return seconds
+        return previous + self._smoothing * (seconds - previous)
+
+
+def _check_measurement(rows: int, seconds: float) -> None:
+    if rows < 1:
+        raise ValueError(f"a round has at least one row, got {rows}")
+    if not seconds > 0.0:
+        raise ValueError(f"a measured time must be positive, got {seconds}")
+
+
+def _nearest(measured: Mapping[Band, object], band: Band) -> Band:
+    if band in measured:
+        return band
+    if not measured:
+        raise NoCostData(f"nothing measured for {band} or any other band")
+    return min(measured, key=lambda other: (band.distance(other), -other.context, -other.lanes))
+
+
+def plan_depths(
+    chances_per_lane: Sequence[Sequence[float]],
+    plain_rows: int,
+    round_seconds: Callable[[int], float],
+    draft_seconds: float,
+    max_depths: Sequence[int] | None = None,
+) -> list[int]:
+    """Verify depth per drafting lane: the DSpark prefix scheduler.
+
+    Every drafting lane starts at depth 0 (its anchor row, one sure token); plain lanes
+    add `plain_rows` rows and as many tokens. Candidates (lane r, draft k) are admitted
+    in order of chain chance a_rk, highest first (ties by k, so a lane's drafts enter in
+    prefix order), each adding one row and a_rk expected tokens, while the estimated
+    rate tokens / (round_seconds(rows) + draft_seconds) rises; the first candidate that
+    does not raise it ends the scan. Stopping at the first drop, rather than taking the
+    best prefix of the whole sorted list, is what keeps sampling lossless with
+    confidences from this round.
+
+    `chances_per_lane[r]` are lane r's chain chances (non-increasing, one per proposal);
+    `max_depths[r]`, if given, caps lane r's depth further (e.g. tokens it may still emit).
+    """
+    if plain_rows < 0:
+        raise ValueError(f"plain_rows cannot be negative, got {plain_rows}")
+    if max_depths is not None and len(max_depths) != len(chances_per_lane):
+        raise ValueError(f"{len(max_depths)} max depths for {len(chances_per_lane)} lanes")
+
+    candidates = []
+    for lane, chances in enumerate(chances_per_lane):
+        if any(later > earlier for earlier, later in zip(chances, chances[1:])):
+            raise ValueError(f"lane {lane}: chain chances must be non-increasing, got {list(chances)}")
+        depth_cap = len(chances) if max_depths is None else min(len(chances), max_depths[lane])
+        candidates.extend((chance, k, lane) for k, chance in enumerate(chances[:depth_cap], start=1))
+    candidates.sort(key=lambda candidate: (-candidate[0], candidate[1], candidate[2]))
+
+    def rate(tokens: float, rows: int) -> float:
+        seconds = round_seconds(rows) + draft_seconds
+        if not seconds > 0.0:
+            raise ValueError(f"a round of {rows} rows cannot take {seconds} seconds")
+        return tokens / seconds
+
+    depths = [0] * len(chances_per_lane)
+    if not candidates:
+        return depths
+    rows = len(chances_per_lane) + plain_rows
+    tokens = float(rows)
+    current = rate(tokens, rows)
+    for chance, k, lane in candidates:
+        widened = rate(tokens + chance, rows + 1)
+        if widened <= current:
+            break
+        depths[lane] = k
+        rows += 1
+        tokens += chance
+        current = widened
+    return depths

@@ -1,0 +1,255 @@
+"""The draft guard and the bands it keeps evidence in, run against a synthetic cost model.
+
+Time is the synthetic round seconds passed to `record` (the guard reads no clock), so
+these runs are deterministic for a seeded generator.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lanes.bands import Band, context_band, lanes_band
+from lanes.guard import DRAFTING_FASTER, DRAFTING_NOT_FASTER, EXPLORE, PROBE, DraftGuard
+
+# --- bands --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lanes, band", [(1, 1), (2, 2), (3, 2), (4, 4), (7, 4), (8, 8), (15, 8), (16, 16), (100, 16)]
+)
+def test_lanes_bands(lanes, band):
+    assert lanes_band(lanes) == band
+
+
+@pytest.mark.parametrize(
+    "tokens, band",
+    [(0, 2048), (2048, 2048), (2049, 4096), (5000, 8192), (65_536, 65_536), (65_537, 131_072), (10**6, 131_072)],
+)
+def test_context_bands(tokens, band):
+    assert context_band(tokens) == band
+
+
+def test_band_labels_and_refusals():
+    assert str(Band.of(5, 9000)) == "lanes=4-7,context<=16K"
+    assert (Band.of(1, 0).lanes_label, Band.of(2, 0).lanes_label, Band.of(20, 0).lanes_label) == ("1", "2-3", "16+")
+    assert Band.of(1, 10**6).context_label == "128K"
+    assert Band.of(1, 0).distance(Band.of(4, 8192)) == 4.0  # two lanes steps, two context steps
+    with pytest.raises(ValueError):
+        lanes_band(0)
+    with pytest.raises(ValueError):
+        context_band(-1)
+
+
+# --- a synthetic cost model ------------------------------------------------------------
+
+
+@dataclass
+class SyntheticRounds:
+    """Plain rounds emit one token per lane; drafted rounds also emit each lane's accepted
+    drafts (Binomial(depth, acceptance)) and take longer (drafter + wider verify)."""
+
+    lanes: int
+    plain_seconds: float
+    drafted_seconds: float
+    acceptance: float
+    depth: int = 9
+    noise: float = 0.0  # relative jitter of round time
+
+    def run(self, draft, rng):
+        seconds = self.drafted_seconds if draft else self.plain_seconds
+        seconds *= 1.0 + self.noise * rng.uniform(-1.0, 1.0)
+        tokens = self.lanes
+        if draft:
+            tokens += int(rng.binomial(self.depth, self.acceptance, self.lanes).sum())
+        return seconds, tokens
+
+
+def run_rounds(guard, model, rounds, rng, context_tokens=3000):
+    decisions = []
+    for _ in range(rounds):
+        decision = guard.decide(model.lanes, context_tokens)
+        seconds, tokens = model.run(decision.draft, rng)
+        guard.record(decision, seconds, tokens)
+        decisions.append(decision)
+    return decisions
+
+
+# 1 lane at 4K: drafted 0.030 s for 1 + 9 * 0.53 = 5.8 tokens (193 tok/s) vs plain 0.020 s
+# for 1 token (50 tok/s): drafting pays about 3.9x.
+PAYS = dict(lanes=1, plain_seconds=0.020, drafted_seconds=0.030, acceptance=0.53)
+# 16 lanes at 64K: drafted 0.090 s for 16 * (1 + 3 * 0.07) = 19.4 tokens (215 tok/s) vs plain
+# 0.050 s for 16 tokens (320 tok/s): drafting loses about a third.
+LOSES = dict(lanes=16, plain_seconds=0.050, drafted_seconds=0.090, acceptance=0.07, depth=3)
+
+
+def test_a_fresh_band_explores_drafting_first_then_plain():
+    guard = DraftGuard(explore_rounds=2)
+    decisions = run_rounds(guard, SyntheticRounds(**PAYS), 5, np.random.default_rng(0))
+    assert [(d.draft, d.reason) for d in decisions[:4]] == [
+        (True, EXPLORE), (True, EXPLORE), (False, EXPLORE), (False, EXPLORE),
+    ]
+    assert not any(d.probe for d in decisions[:4])
+    assert (decisions[4].draft, decisions[4].reason) == (True, DRAFTING_FASTER)
+    assert decisions[0].drafted_tps is None and decisions[0].plain_tps is None
+
+
+def probe_share(guard, band):
+    report = guard.snapshot()[str(band)]
+    return report["probe_seconds"] / report["seconds"]
+
+
+def test_drafting_is_chosen_when_it_pays_and_probes_stay_in_budget():
+    guard = DraftGuard(budget=0.03)
+    decisions = run_rounds(guard, SyntheticRounds(**PAYS, noise=0.2), 3000, np.random.default_rng(1))
+    steady = decisions[4:]
+    drafted = sum(d.draft for d in steady)
+    probes = [d for d in steady if d.probe]
+    assert all(not d.draft for d in probes)  # probes run plain, the loser
+    assert drafted == len(steady) - len(probes)  # every other round drafts
+    assert len(probes) >= 60  # probing really happens: ~3% of 0.030 s rounds at 0.020 s a probe
+    assert probe_share(guard, decisions[0].band) <= 0.03 * 1.02  # noise may overshoot one probe's error
+
+
+def test_drafting_is_dropped_when_it_loses_and_probes_stay_in_budget():
+    guard = DraftGuard(budget=0.03)
+    decisions = run_rounds(guard, SyntheticRounds(**LOSES, noise=0.2), 3000, np.random.default_rng(2), 40_000)
+    steady = decisions[4:]
+    assert all(d.draft == d.probe for d in steady)  # drafts only as a probe
+    assert sum(d.probe for d in steady) >= 20
+    share = probe_share(guard, decisions[0].band)
+    assert 0.02 <= share <= 0.03 * 1.02  # the budget is used, not exceeded
+
+
+def test_probe_budget_holds_after_every_round_with_exact_costs():
+    # With noiseless round times a probe's cost is known before it runs, so the rule
+    # holds exactly at every step: probe seconds <= budget * band seconds.
+    for model, context in ((SyntheticRounds(**PAYS), 3000), (SyntheticRounds(**LOSES), 40_000)):
+        guard = DraftGuard(budget=0.03)
+        rng = np.random.default_rng(3)
+        for _ in range(2000):
+            decision = guard.decide(model.lanes, context)
+            guard.record(decision, *model.run(decision.draft, rng))
+            report = guard.snapshot()[str(decision.band)]
+            assert report["probe_seconds"] <= 0.03 * report["seconds"] + 1e-12
+
+
+def test_guard_follows_a_change_and_switches_back():
+    rng = np.random.default_rng(4)
+    guard = DraftGuard(budget=0.03)
+    good = SyntheticRounds(**PAYS)
+    bad = SyntheticRounds(**{**PAYS, "acceptance": 0.02})  # drafted 1.18 tokens / 0.03 s = 39 tok/s < 50
+    run_rounds(guard, good, 1000, rng)
+
+    after_drop = run_rounds(guard, bad, 1000, rng)
+    switched = next(i for i, d in enumerate(after_drop) if not d.draft and not d.probe)
+    # Drafted sums start near 10 rounds x 5.77 tokens per 0.3 s and move 10% a round toward
+    # 1.18 tokens a round; they fall below 50 tok/s (15 tokens per 0.3 s) when
+    # 0.9^n * (57.7 - 11.8) < 15 - 11.8, i.e. after about 25 rounds.
+    assert 20 <= switched <= 40
+    # Afterwards drafting runs as probes, plus a few rounds after a lucky probe (one accepted
+    # draft makes 2 tokens / 0.03 s = 67 tok/s, a 17% chance) until the drafted average sinks.
+    stray = sum(d.draft and not d.probe for d in after_drop[switched:])
+    assert stray <= 0.02 * (len(after_drop) - switched)
+
+    after_recovery = run_rounds(guard, good, 1000, rng)
+    # The next drafted probe comes once the budget allows (< 0.03 s / (0.03 * 0.02 s) = 50 plain
+    # rounds); one good probe outweighs the decayed bad evidence.
+    back = next(i for i, d in enumerate(after_recovery) if d.draft and not d.probe)
+    assert back <= 60
+    assert all(d.draft or d.probe for d in after_recovery[back:])
+
+
+def test_a_band_where_drafting_lost_starts_plain_and_others_are_fresh():
+    guard = DraftGuard()
+    run_rounds(guard, SyntheticRounds(**LOSES), 200, np.random.default_rng(5), 40_000)
+    # A new lane joining at 16 lanes, 50K tokens lands in the same band: plain from its first round.
+    decision = guard.decide(16, 50_000)
+    assert (decision.draft, decision.reason) == (False, DRAFTING_NOT_FASTER)
+    assert decision.drafted_tps < decision.plain_tps
+    # A band never measured starts by drafting.
+    assert (guard.decide(16, 1000).draft, guard.decide(16, 1000).reason) == (True, EXPLORE)
+    assert (guard.decide(8, 40_000).draft, guard.decide(8, 40_000).reason) == (True, EXPLORE)
+
+
+def test_equal_throughput_does_not_draft():
+    # Drafted 2 tokens / 0.04 s = 50 tok/s = plain 1 token / 0.02 s: drafting must measure faster.
+    guard = DraftGuard()
+    for draft, seconds, tokens in [(True, 0.04, 2)] * 2 + [(False, 0.02, 1)] * 2:
+        decision = guard.decide(1, 100)
+        assert decision.draft == draft
+        guard.record(decision, seconds, tokens)
+    decision = guard.decide(1, 100)
+    assert (decision.draft, decision.reason) == (False, DRAFTING_NOT_FASTER)
+
+
+def test_throughput_is_a_decayed_ratio_of_sums():
+    # smoothing 0.5: each record halves the band's old sums first.
+    # drafted: (0.5 * 2 + 6) tokens / (0.5 * 0.04 + 0.04) s = 7 / 0.06 = 116.67 tok/s
+    guard = DraftGuard(smoothing=0.5, explore_rounds=2)
+    for seconds, tokens in [(0.04, 2), (0.04, 6)]:
+        guard.record(guard.decide(1, 100), seconds, tokens)
+    decision = guard.decide(1, 100)
+    assert decision.drafted_tps == pytest.approx(7 / 0.06)
+    # Plain rounds decay the drafted sums too, which leaves drafted's ratio unchanged.
+    # plain: (0.5 * 1 + 1) tokens / (0.5 * 0.02 + 0.02) s = 50 tok/s
+    for _ in range(2):
+        assert (decision.draft, decision.reason) == (False, EXPLORE)
+        guard.record(decision, 0.02, 1)
+        decision = guard.decide(1, 100)
+    assert decision.drafted_tps == pytest.approx(7 / 0.06)
+    assert decision.plain_tps == pytest.approx(50.0)
+    assert (decision.draft, decision.reason) == (True, DRAFTING_FASTER)
+
+
+def test_decide_changes_nothing():
+    guard = DraftGuard()
+    run_rounds(guard, SyntheticRounds(**PAYS), 50, np.random.default_rng(6))
+    before = guard.snapshot()
+    assert guard.decide(1, 3000) == guard.decide(1, 3000)
+    assert guard.snapshot() == before
+
+
+def test_snapshot_reports_each_band():
+    guard = DraftGuard(explore_rounds=1)
+    decision = guard.decide(3, 5000)
+    guard.record(decision, 0.5, 12)
+    assert guard.snapshot() == {
+        "lanes=2-3,context<=8K": {
+            "lanes": "2-3",
+            "context": "8K",
+            "drafting_wins": None,  # plain not measured yet
+            "drafted_tps": 24.0,
+            "plain_tps": None,
+            "drafted_rounds": 1,
+            "plain_rounds": 0,
+            "probe_rounds": 0,
+            "probe_seconds": 0.0,
+            "seconds": 0.5,
+        }
+    }
+
+
+def test_every_decision_logs_one_debug_line(caplog):
+    guard = DraftGuard()
+    with caplog.at_level(logging.DEBUG, logger="laneserve.guard"):
+        guard.decide(5, 9000)
+    [record] = caplog.records
+    assert record.name == "laneserve.guard" and record.levelno == logging.DEBUG
+    message = record.getMessage()
+    for field in ("lanes=5", "context_tokens=9000", "band=lanes=4-7,context<=16K", "draft=True", "probe=False",
+                  "reason='explore'", "drafted_tps=none", "plain_tps=none"):
+        assert field in message
+
+
+def test_probe_reason_and_record_refusals():
+    guard = DraftGuard()
+    decisions = run_rounds(guard, SyntheticRounds(**PAYS), 200, np.random.default_rng(7))
+    assert {d.reason for d in decisions if d.probe} == {PROBE}
+    with pytest.raises(ValueError):
+        guard.record(decisions[0], 0.0, 1)
+    with pytest.raises(ValueError):
+        guard.record(decisions[0], 0.1, -1)
+    with pytest.raises(ValueError):
+        DraftGuard(budget=0.0)

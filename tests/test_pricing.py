@@ -1,0 +1,344 @@
+"""Pricing: chain chances, verify windows, the cost table, the prefix scheduler."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lanes.pricing import (
+    CostTable,
+    NoCostData,
+    VerifyWindow,
+    chain_chances,
+    interpolate_cost,
+    plan_depths,
+)
+
+
+def linear_cost(fixed, per_row):
+    return lambda rows: fixed + per_row * rows
+
+
+# --- chain chances and windows -------------------------------------------------------
+
+
+def test_chain_chances_are_running_products():
+    # 0.9; 0.9*0.8 = 0.72; 0.72*0.5 = 0.36
+    assert chain_chances([0.9, 0.8, 0.5]) == pytest.approx([0.9, 0.72, 0.36])
+    assert chain_chances([]) == []
+
+
+@pytest.mark.parametrize("bad", [1.2, -0.1, float("nan")])
+def test_chain_chances_refuse_non_probabilities(bad):
+    with pytest.raises(ValueError):
+        chain_chances([0.5, bad])
+
+
+def test_verify_window_rows_and_expected_tokens():
+    window = VerifyWindow(
+        proposals=[11, 12, 13], raw_confidences=[0.95, 0.85, 0.6], confidences=[0.9, 0.8, 0.5], depth=2
+    )
+    assert window.chances == pytest.approx((0.9, 0.72, 0.36))
+    assert window.rows == 3  # anchor + 2 drafts
+    assert window.expected_tokens == pytest.approx(2.62)  # 1 + 0.9 + 0.72
+    assert window.verified_proposals == (11, 12)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        window.depth = 3
+
+
+def test_verify_window_at_depth_zero_is_a_plain_step():
+    window = VerifyWindow(proposals=[7], raw_confidences=[0.5], confidences=[0.5], depth=0)
+    assert (window.rows, window.expected_tokens, window.verified_proposals) == (1, 1.0, ())
+
+
+def test_verify_window_refuses_inconsistent_fields():
+    with pytest.raises(ValueError):
+        VerifyWindow(proposals=[1, 2], raw_confidences=[0.5], confidences=[0.5, 0.5], depth=1)
+    with pytest.raises(ValueError):
+        VerifyWindow(proposals=[1, 2], raw_confidences=[0.5, 0.5], confidences=[0.5, 0.5], depth=3)
+
+
+# --- interpolation ----------------------------------------------------------------------
+
+
+def test_interpolation_is_linear_between_neighbours_only():
+    points = {1: 10.0, 8: 12.0, 10: 20.0}
+    assert interpolate_cost(points, 1) == 10.0
+    assert interpolate_cost(points, 4) == pytest.approx(10.0 + 3 / 7 * 2.0)  # 3/7 of the way 10 -> 12
+    assert interpolate_cost(points, 9) == pytest.approx(16.0)  # halfway 12 -> 20
+    assert interpolate_cost(points, 10) == 20.0
+
+
+def test_interpolation_keeps_the_metal_cliff():
+    # Flat to 9 rows, a cliff at 10, flat again: no smoothing across the cliff.
+    points = {1: 10.0, 8: 10.4, 9: 10.5, 10: 18.0, 16: 18.6}
+    assert interpolate_cost(points, 9) == 10.5
+    assert interpolate_cost(points, 10) == 18.0
+    assert interpolate_cost(points, 13) == pytest.approx(18.3)
+
+
+def test_extrapolation_continues_the_last_slope():
+    points = {1: 10.0, 8: 12.0, 10: 20.0}
+    assert interpolate_cost(points, 12) == pytest.approx(28.0)  # slope (20-12)/2 = 4 per row
+
+
+def test_extrapolation_never_falls_below_the_last_point():
+    # The dip 12 -> 11 is noise: the envelope is 10, 12, 12, so the slope past 3 is 0.
+    points = {1: 10.0, 2: 12.0, 3: 11.0}
+    assert interpolate_cost(points, 2) == 12.0
+    assert interpolate_cost(points, 3) == 12.0
+    assert interpolate_cost(points, 6) == 12.0
+
+
+def test_single_point_is_flat_and_below_first_point_is_flat():
+    assert interpolate_cost({4: 7.0}, 1) == 7.0
+    assert interpolate_cost({4: 7.0}, 10) == 7.0
+    assert interpolate_cost({4: 7.0, 8: 9.0}, 2) == 7.0
+
+
+def test_interpolation_is_monotone_in_rows_for_noisy_points():
+    rng = np.random.default_rng(0)
+    points = {int(r): float(s) for r, s in zip(rng.choice(64, 12, replace=False) + 1, rng.uniform(1, 5, 12))}
+    estimates = [interpolate_cost(points, rows) for rows in range(1, 100)]
+    assert all(later >= earlier for earlier, later in zip(estimates, estimates[1:]))
+
+
+# --- cost table ---------------------------------------------------------------------------
+
+
+def test_cost_table_seeds_and_smooths_live_observations():
+    table = CostTable(smoothing=0.1, seeds=[(4, 1, 1000, 10.0), (8, 1, 1000, 14.0)])
+    assert table.estimate(6, 1, 1000) == pytest.approx(12.0)
+    table.observe(4, 1, 1000, 20.0)  # 10 + 0.1 * (20 - 10) = 11
+    assert table.estimate(4, 1, 1000) == pytest.approx(11.0)
+    table.observe(2, 1, 1000, 9.0)  # first measurement of 2 rows is taken as is
+    assert table.estimate(2, 1, 1000) == 9.0
+    table.seed(4, 1, 1000, 10.0)  # a seed overwrites
+    assert table.estimate(4, 1, 1000) == 10.0
+
+
+def test_cost_table_keeps_bands_apart():
+    table = CostTable(seeds=[(2, 1, 1000, 10.0), (2, 16, 1000, 30.0), (2, 1, 100_000, 50.0)])
+    assert table.estimate(2, 1, 2048) == 10.0
+    assert table.estimate(2, 20, 2000) == 30.0
+    assert table.estimate(2, 1, 70_000) == 50.0  # 70K and 100K share the <=128K band
+
+
+def test_cost_table_borrows_the_nearest_band_preferring_larger():
+    table = CostTable(seeds=[(2, 1, 1000, 10.0), (2, 4, 1000, 20.0), (2, 16, 100_000, 90.0)])
+    # (2 lanes, 4K) is 2 steps from both (1, 2K) and (4, 2K): the larger band's cost wins.
+    assert table.estimate(2, 2, 3000) == 20.0
+    # (1 lane, 2K) exists: no borrowing even though others are near.
+    assert table.estimate(2, 1, 10) == 10.0
+    # (16 lanes, 64K) is one context step from (16, 128K).
+    assert table.estimate(2, 16, 60_000) == 90.0
+
+
+def test_cost_table_drafter_time():
+    table = CostTable(smoothing=0.5)
+    with pytest.raises(NoCostData):
+        table.estimate_draft(1, 1000)
+    table.observe_draft(1, 1000, 4.0)
+    table.observe_draft(1, 1000, 6.0)  # 4 + 0.5 * (6 - 4) = 5
+    assert table.estimate_draft(1, 1000) == pytest.approx(5.0)
+    assert table.estimate_draft(2, 1000) == pytest.approx(5.0)  # borrowed
+
+
+def test_empty_cost_table_says_so():
+    with pytest.raises(NoCostData):
+        CostTable().estimate(1, 1, 1000)
+
+
+def test_cost_table_refuses_bad_measurements():
+    table = CostTable()
+    with pytest.raises(ValueError):
+        table.observe(0, 1, 1000, 1.0)
+    with pytest.raises(ValueError):
+        table.seed(1, 1, 1000, 0.0)
+    with pytest.raises(ValueError):
+        CostTable(smoothing=0.0)
+
+
+# --- the prefix scheduler: hand-computed cases -----------------------------------------
+
+
+def test_one_lane_stops_at_the_first_drop():
+    # T(B) = 1 + 0.5 B, no drafter time, chances 0.9, 0.72, 0.36.
+    # depth 0: 1.00 / 1.5 = 0.6667
+    # depth 1: 1.90 / 2.0 = 0.9500  rises
+    # depth 2: 2.62 / 2.5 = 1.0480  rises
+    # depth 3: 2.98 / 3.0 = 0.9933  drops -> stop at 2
+    assert plan_depths([[0.9, 0.72, 0.36]], 0, linear_cost(1.0, 0.5), 0.0) == [2]
+
+
+def test_lanes_compete_for_rows_by_chain_chance():
+    # Lanes A [0.8, 0.4], B [0.6, 0.5], 2 plain rows, T(B) = 1 + 0.25 B, drafter 0.5.
+    # start: rows 4, tokens 4, 4.0 / (2.00 + 0.5) = 1.6000
+    # A1 (0.8): 4.8 / (2.25 + 0.5) = 1.7455  rises
+    # B1 (0.6): 5.4 / (2.50 + 0.5) = 1.8000  rises
+    # B2 (0.5): 5.9 / (2.75 + 0.5) = 1.8154  rises
+    # A2 (0.4): 6.3 / (3.00 + 0.5) = 1.8000  drops -> stop
+    assert plan_depths([[0.8, 0.4], [0.6, 0.5]], 2, linear_cost(1.0, 0.25), 0.5) == [1, 2]
+
+
+def test_max_depths_cap_lanes():
+    # As above with B capped at 1: A1 1.7455, B1 1.8000, then A2: 5.8 / 3.25 = 1.7846 drops.
+    assert plan_depths([[0.8, 0.4], [0.6, 0.5]], 2, linear_cost(1.0, 0.25), 0.5, max_depths=[2, 1]) == [1, 1]
+    assert plan_depths([[0.9, 0.8]], 0, lambda rows: 1.0, 0.0, max_depths=[0]) == [0]
+
+
+def best_prefix_of_sorted_list(chances, cost):
+    """The global argmax over prefixes of a single lane's list (not what we want)."""
+    rates = [(1 + sum(chances[:d])) / cost(1 + d) for d in range(len(chances) + 1)]
+    return int(np.argmax(rates))
+
+
+def test_first_drop_is_not_the_global_argmax():
+    # Cost 1.0 up to 2 rows, a cliff to 1.5 from 3 rows on.
+    # depth 0: 1.00 / 1.0 = 1.000
+    # depth 1: 1.90 / 1.0 = 1.900  rises
+    # depth 2: 2.75 / 1.5 = 1.833  drops -> stop at 1
+    # while depth 4 (4.30 / 1.5 = 2.867) is the best prefix overall.
+    chances = [0.9, 0.85, 0.8, 0.75]
+    def cost(rows):
+        return 1.0 if rows <= 2 else 1.5
+    assert plan_depths([chances], 0, cost, 0.0) == [1]
+    assert best_prefix_of_sorted_list(chances, cost) == 4
+
+
+def test_ties_enter_in_prefix_order():
+    # A [0.5, 0.5] and B [0.5] tie everywhere; the rows budget allows two drafts (free up to
+    # 4 rows, then dear). Ties go by k, so both lanes' first drafts enter before A's second.
+    def cost(rows):
+        return 1.0 if rows <= 4 else 100.0
+    assert plan_depths([[0.5, 0.5], [0.5]], 0, cost, 0.0) == [1, 1]
+
+
+def test_zero_chance_drafts_are_never_verified_even_when_free():
+    assert plan_depths([[0.9, 0.0, 0.0]], 3, lambda rows: 1.0, 0.0) == [1]
+
+
+def test_nothing_to_price():
+    calls = []
+    def cost(rows):
+        calls.append(rows)
+        return 1.0
+    assert plan_depths([], 5, cost, 0.1) == []
+    assert plan_depths([[], []], 0, cost, 0.1) == [0, 0]
+    assert calls == []
+
+
+def test_scheduler_refuses_bad_input():
+    with pytest.raises(ValueError):
+        plan_depths([[0.5, 0.6]], 0, lambda rows: 1.0, 0.0)  # chances must not rise
+    with pytest.raises(ValueError):
+        plan_depths([[0.5]], -1, lambda rows: 1.0, 0.0)
+    with pytest.raises(ValueError):
+        plan_depths([[0.5]], 0, lambda rows: 1.0, 0.0, max_depths=[1, 1])
+    with pytest.raises(ValueError):
+        plan_depths([[0.5]], 0, lambda rows: 0.0, 0.0)
+
+
+# --- the prefix scheduler: properties --------------------------------------------------
+
+
+def random_chances(rng, lanes, width=9, mean_confidence=0.8):
+    return [
+        chain_chances(np.clip(rng.normal(mean_confidence, 0.15, width), 0.0, 1.0)) for _ in range(lanes)
+    ]
+
+
+def random_staircase(rng, rows=200):
+    """A non-decreasing cost per row count with flat steps and cliffs, like Metal's."""
+    steps = rng.uniform(0.0, 0.02, rows + 1) * (rng.random(rows + 1) < 0.3)
+    steps[10::16] += rng.uniform(0.1, 0.5)  # cliffs every 16 rows from 10
+    seconds = 1.0 + np.cumsum(steps)
+    return lambda b: float(seconds[b])
+
+
+def test_nearly_constant_cost_goes_deep_on_high_chances_and_shallow_on_low():
+    cost = linear_cost(1.0, 0.01)
+    high = chain_chances([0.95] * 9)
+    assert plan_depths([high], 0, cost, 0.0) == [9]
+    # Low confidences 0.05: a1 = 0.05, a2 = 0.0025.
+    # depth 0: 1 / 1.01 = 0.9901; depth 1: 1.05 / 1.02 = 1.0294 rises; depth 2: 1.0525 / 1.03 = 1.0218 drops.
+    assert plan_depths([chain_chances([0.05] * 9)], 0, cost, 0.0) == [1]
+
+
+def test_depths_rise_with_chances_scaled_up_together():
+    # Scaling all chances by s keeps the admission order, and each admission test
+    # a_j > tau_{j-1} * (T_j / T_{j-1} - 1) with tau_{j-1} = tau_0 + S_{j-1} becomes
+    # a_j > (tau_0 / s + S_{j-1}) * (...): easier as s grows. Powers of two scale exactly.
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        chances = random_chances(rng, int(rng.integers(1, 17)))
+        cost = random_staircase(rng)
+        plain_rows = int(rng.integers(0, 8))
+        draft = float(rng.uniform(0, 0.5))
+        depths = plan_depths(chances, plain_rows, cost, draft)
+        for scale in (0.5, 0.25):
+            scaled = [[scale * a for a in lane] for lane in chances]
+            lower = plan_depths(scaled, plain_rows, cost, draft)
+            assert all(low <= high for low, high in zip(lower, depths))
+
+
+def test_a_steeper_cost_never_deepens_windows():
+    # T2 = T1 * h with h non-decreasing makes every step ratio T(B+1)/T(B) at least as
+    # large, so every admission test is at least as hard.
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        chances = random_chances(rng, int(rng.integers(1, 17)))
+        cost = random_staircase(rng)
+        growth = np.cumsum(rng.uniform(0.0, 0.05, 201)) + 1.0
+        def steeper(b):
+            return cost(b) * growth[b]
+        plain_rows = int(rng.integers(0, 8))
+        gentle = plan_depths(chances, plain_rows, cost, 0.0)
+        steep = plan_depths(chances, plain_rows, steeper, 0.0)
+        assert all(s <= g for s, g in zip(steep, gentle))
+
+
+def test_a_dearer_drafter_never_shallows_windows():
+    # A fixed drafter cost D shrinks each step ratio (T(B+1) + D) / (T(B) + D): rows are
+    # relatively cheaper, so windows can only deepen.
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        chances = random_chances(rng, int(rng.integers(1, 17)))
+        cost = random_staircase(rng)
+        cheap = plan_depths(chances, 2, cost, 0.05)
+        dear = plan_depths(chances, 2, cost, 0.5)
+        assert all(d >= c for c, d in zip(cheap, dear))
+
+
+def test_raising_one_lanes_chance_can_push_another_lanes_draft_out():
+    # The rule maximises a rate, not a depth: a better lane raises the rate that every
+    # further row must beat. T(2) = 1, T(3) = 1.1, T(4) = 1.243 (steps of 10% and 13%).
+    cost = {2: 1.0, 3: 1.1, 4: 1.243}.__getitem__
+    # A 0.5, B 0.35: 2 / 1 = 2; A1: 2.5 / 1.1 = 2.2727 rises; B1: 2.85 / 1.243 = 2.2928 rises.
+    assert plan_depths([[0.5], [0.35]], 0, cost, 0.0) == [1, 1]
+    # A 0.9, B 0.35: 2 / 1 = 2; A1: 2.9 / 1.1 = 2.6364 rises; B1: 3.25 / 1.243 = 2.6146 drops.
+    assert plan_depths([[0.9], [0.35]], 0, cost, 0.0) == [1, 0]
+
+
+def test_plans_are_prefixes_that_never_lose_rate_and_end_at_a_drop():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        chances = random_chances(rng, int(rng.integers(1, 17)))
+        cost = random_staircase(rng)
+        plain_rows = int(rng.integers(0, 8))
+        draft = float(rng.uniform(0, 0.5))
+        depths = plan_depths(chances, plain_rows, cost, draft)
+        base_rows = len(chances) + plain_rows
+
+        def rate(ds):
+            rows = base_rows + sum(ds)
+            return (base_rows + sum(sum(lane[:d]) for lane, d in zip(chances, ds))) / (cost(rows) + draft)
+
+        assert rate(depths) >= rate([0] * len(chances))
+        # The next candidate in admission order (the highest chance not admitted) does not raise the rate.
+        pending = [(lane[d], r) for r, (lane, d) in enumerate(zip(chances, depths)) if d < len(lane)]
+        if pending:
+            _, r = max(pending, key=lambda item: (item[0], -depths[item[1]] - 1, -item[1]))
+            widened = list(depths)
+            widened[r] += 1
+            assert rate(widened) <= rate(depths)
