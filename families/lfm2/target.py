@@ -56,6 +56,9 @@ class Lfm2Target:
         self.kv = {i: KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for i in cfg.attention_layers}
         self.conv = {i: ConvPool(max_lanes, cfg.conv_kernel - 1, cfg.hidden_size, self.dtype) for i in cfg.conv_layers}
         self._free = list(range(max_lanes))
+        # Materialise the pools now: an array built lazily on one thread cannot be
+        # evaluated on another, and the engine thread may not be this one.
+        mx.eval(self.state_arrays())
 
     @property
     def vocab_size(self) -> int:

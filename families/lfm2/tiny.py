@@ -48,11 +48,12 @@ class TinyShape:
     rope_theta: float = 1e6
     max_position: int = 4096
     conv_kernel: int = 3
-    final_norm_scale: float = 2.5
+    final_norm_scale: float = 1.5
+    attention: tuple[int, ...] | None = None  # attention layer indices; default every third from 2
 
     def layer_types(self) -> list[str]:
-        # Attention every third layer, starting at layer 2, as the released models interleave.
-        return ["full_attention" if i % 3 == 2 else "conv" for i in range(self.layers)]
+        attention = self.attention if self.attention is not None else range(2, self.layers, 3)
+        return ["full_attention" if i in attention else "conv" for i in range(self.layers)]
 
 
 def _dense(rng: np.random.Generator, rows: int, cols: int, dtype) -> np.ndarray:
@@ -109,7 +110,7 @@ def target_tensors(kind: str, shape: TinyShape, seed: int, dtype=np.float32, exp
     rng = np.random.default_rng(seed)
     h, head_dim = shape.hidden, shape.hidden // shape.heads
     t: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": (rng.standard_normal((shape.vocab, h)) * 0.5).astype(dtype),
+        "model.embed_tokens.weight": (rng.standard_normal((shape.vocab, h)) * 0.4).astype(dtype),
         "model.embedding_norm.weight": _norm(rng, h, dtype, shape.final_norm_scale),
     }
     for i, kind_i in enumerate(shape.layer_types()):

@@ -1,0 +1,1 @@
+"""The daemon: HTTP, schemas, metrics, the command line."""

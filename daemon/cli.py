@@ -1,0 +1,130 @@
+"""The `laneserve` command line.
+
+    laneserve generate [--model DIR] (--prompt TEXT | --chat TEXT | --prompt-ids 1,2,3) --max-tokens N ...
+    laneserve make-tiny --kind lfm2|lfm2_moe|dspark --out DIR --seed N ...
+
+Errors a user can act on (a malformed checkpoint, a request past the context limit) are
+printed as one line naming the problem, with exit status 2, not as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from families.lfm2 import CheckpointError, open_target
+from families.lfm2.tiny import TinyShape, make_tiny_target
+from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
+from lanes.lane import Request
+from lanes.sampling import SamplingParams
+
+
+class UsageError(Exception):
+    """A command line that cannot be served as given."""
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("--model", required=True, help="target checkpoint directory (HF LFM2 / LFM2-MoE format)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="raw prompt text (the tokenizer adds <|startoftext|>)")
+    source.add_argument("--chat", help="one user message, rendered with the checkpoint's chat template")
+    source.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights (default: as stored)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
+    tokenizer = loaded.tokenizer
+    if args.prompt_ids is not None:
+        prompt = args.prompt_ids
+        bad = [t for t in prompt if not 0 <= t < loaded.target.vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-ids holds ids outside the vocabulary (0..{loaded.target.vocab_size - 1}): {bad}")
+    elif args.chat is not None:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+    engine = Engine(loaded.target, tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=1))
+    started = time.perf_counter()
+    done = engine.generate([Request(prompt, args.max_tokens, sampling, tuple(args.stop))])[0]
+    seconds = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({
+            "token_ids": done.token_ids,
+            "text": done.text,
+            "finish_reason": done.finish_reason.value,
+            "prompt_tokens": done.prompt_tokens,
+            "seconds": round(seconds, 4),
+        }))
+    else:
+        print(done.text)
+    return 0
+
+
+def add_make_tiny(sub) -> None:
+    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the real on-disk format")
+    p.add_argument("--kind", required=True, choices=["lfm2", "lfm2_moe"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    defaults = TinyShape()
+    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "experts", "experts_per_token", "expert_ffn", "dense_layers", "max_position"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    p.add_argument("--rope-theta", type=float, default=defaults.rope_theta)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--expert-layout", choices=["per-expert", "fused"], default="per-expert")
+    p.set_defaults(run=run_make_tiny)
+
+
+def run_make_tiny(args) -> int:
+    fields = {f: getattr(args, f) for f in TinyShape.__dataclass_fields__ if hasattr(args, f)}
+    out = make_tiny_target(args.out, args.kind, args.seed, TinyShape(**fields), args.dtype, args.expert_layout)
+    print(out)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="laneserve", description="Serve LiquidAI LFM2 models on MLX with DSpark drafting.")
+    p.add_argument("--log-level", default="WARNING", help="DEBUG shows every guard decision")
+    sub = p.add_subparsers(dest="command", required=True)
+    add_generate(sub)
+    add_make_tiny(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.run(args)
+    except (CheckpointError, RequestError, QueueFull, UsageError, ValueError) as e:
+        print(f"laneserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

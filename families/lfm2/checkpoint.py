@@ -1,0 +1,25 @@
+"""Opening a target checkpoint directory: model, tokenizer and stop ids together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import eos_ids_of
+from .loader import load_model
+from .target import Lfm2Target
+from .tokenizer import ChatTokenizer
+
+
+@dataclass
+class TargetCheckpoint:
+    path: Path
+    target: Lfm2Target
+    tokenizer: ChatTokenizer
+    eos_ids: tuple[int, ...]
+
+
+def open_target(path: str | Path, dtype: str | None = None, max_lanes: int = 16) -> TargetCheckpoint:
+    model, config = load_model(path, dtype=dtype)
+    tokenizer = ChatTokenizer(path)
+    return TargetCheckpoint(Path(path), Lfm2Target(model, config, max_lanes), tokenizer, eos_ids_of(path, config, tokenizer.token_to_id))

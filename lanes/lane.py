@@ -1,0 +1,168 @@
+"""A request and the lane that serves it: its tokens, stop conditions and output.
+
+Only Python values live here, so lanes and events cross threads freely; the caches a
+lane owns in the target and the drafter are handles into those models' pools.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .detokenize import IncrementalDetokenizer
+from .sampling import SamplingParams
+from .stops import StopMatcher
+
+_request_ids = itertools.count()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an eos id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    draft: bool = True
+    id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
+    # Called on the engine thread with each LaneEvent; the daemon hops it onto its loop.
+    on_event: Callable[[LaneEvent], None] | None = None
+
+
+@dataclass
+class DraftStats:
+    rounds: int = 0  # rounds this lane took part in
+    drafted_rounds: int = 0
+    proposed: int = 0  # drafts verified by the target
+    accepted: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # DraftErrors seen (the lane went on plain)
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "drafted_rounds": self.drafted_rounds,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "accepted_per_round": list(self.accepted_per_round),
+        }
+
+
+@dataclass
+class LaneEvent:
+    request_id: str
+    token_ids: list[int]  # new tokens this round
+    text: str  # new text safe to show (stop strings and incomplete UTF-8 held back)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    draft: DraftStats
+    error: str | None = None
+
+
+class LaneState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class Lane:
+    """One stream. The target has committed `prompt + generated[:-1]`; the last generated
+    token is the anchor, fed at the next round."""
+
+    def __init__(self, request: Request, eos_ids: frozenset[int], context_limit: int, detokenizer: IncrementalDetokenizer):
+        self.request = request
+        self.seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self.eos_ids = eos_ids
+        self.context_limit = context_limit
+        self.state = LaneState.WAITING
+        self.prefilled = 0  # prompt tokens read so far
+        self.generated: list[int] = []
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.stats = DraftStats()
+        self.target_slot = None  # the target's cache handle
+        self.drafter_slot = None  # the drafter's cache handle, when drafting is possible
+        self.pending_taps: list = []  # committed rows' taps not yet in the drafter's context
+        self.cancelled = False
+        self._detokenizer = detokenizer
+        self._stops = StopMatcher(request.stop)
+
+    @property
+    def id(self) -> str:
+        return self.request.id
+
+    @property
+    def anchor(self) -> int:
+        return self.generated[-1]
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the anchor (= tokens the target has committed)."""
+        return len(self.request.prompt) + len(self.generated) - 1
+
+    @property
+    def context(self) -> int:
+        return len(self.request.prompt) + len(self.generated)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this lane may still emit."""
+        return min(self.request.max_tokens - len(self.generated), self.context_limit - self.context)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is LaneState.FINISHED
+
+    def emit(self, tokens: list[int]) -> LaneEvent:
+        """Append this round's tokens, stopping at the first eos id, stop string or limit."""
+        kept: list[int] = []
+        for token in tokens:
+            if self.remaining <= 0:
+                self.finish_reason = FinishReason.LENGTH
+                break
+            if token in self.eos_ids:
+                self.finish_reason = FinishReason.STOP
+                break
+            kept.append(token)
+            self.generated.append(token)
+        text, hit = self._stops.feed(self._detokenizer.add(kept))
+        if hit:
+            self.finish_reason = FinishReason.STOP
+        elif self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is not None and not hit:
+            text += self._stops.feed(self._detokenizer.flush())[0] + self._stops.flush()
+        self.text += text
+        if self.finish_reason is not None:
+            self.state = LaneState.FINISHED
+        return LaneEvent(self.id, kept, text, self.finish_reason)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> LaneEvent:
+        self.finish_reason, self.error = reason, error
+        self.state = LaneState.FINISHED
+        return LaneEvent(self.id, [], "", reason, error)
+
+    def completion(self) -> Completion:
+        return Completion(
+            self.id, len(self.request.prompt), list(self.generated), self.text, self.finish_reason, self.stats, self.error
+        )

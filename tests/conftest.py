@@ -1,0 +1,30 @@
+"""Tiny checkpoints made on the fly in the real on-disk formats, shared by the session."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from families.lfm2.tiny import make_tiny_target
+
+
+@pytest.fixture(scope="session")
+def dense_dir(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("dense"), "lfm2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("moe"), "lfm2_moe", seed=2)
+
+
+@pytest.fixture(scope="session")
+def moe_fused_dir(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("moe_fused"), "lfm2_moe", seed=2, expert_layout="fused")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_float32():
+    # Tests run in float32 on the CPU: bf16 and quantized CPU kernels are slow, and
+    # MoE gather_mm supports only float32 there.
+    mx.set_default_device(mx.cpu)

@@ -1,0 +1,132 @@
+"""Reading checkpoint directories: config facts, accepted layouts, and refusals that name
+the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from daemon.cli import main
+from families.lfm2 import CheckpointError, Lfm2Config, load_model
+from families.lfm2.tiny import TinyShape, make_tiny_target
+
+PROMPT = mx.array([[1, 40, 41, 42, 43, 300, 301, 17]])
+
+
+def copy_of(path, tmp_path):
+    return shutil.copytree(path, tmp_path / "copy")
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, edit):
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_nested_rope_theta_wins_over_top_level_and_default():
+    base = {"model_type": "lfm2", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "layer_types": ["conv"]}
+    assert Lfm2Config.from_dict(base).rope_theta == 1e6
+    assert Lfm2Config.from_dict({**base, "rope_theta": 5e6}).rope_theta == 5e6
+    nested = {**base, "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e7}}
+    assert Lfm2Config.from_dict(nested).rope_theta == 1e7
+
+
+def test_nested_theta_reaches_the_attention(tmp_path):
+    path = make_tiny_target(tmp_path, "lfm2", seed=4, shape=TinyShape(rope_theta=1e7))
+    edit_config(path, rope_theta=1e6)  # a stale top-level value that must lose
+    model, config = load_model(path)
+    assert config.rope_theta == 1e7
+    assert all(layer.self_attn.rope_theta == 1e7 for layer in model.layers if layer.is_attention)
+
+
+def test_full_attn_idxs_is_read_like_layer_types(dense_dir, tmp_path):
+    path = copy_of(dense_dir, tmp_path)
+    kinds = Lfm2Config.from_dir(path).layer_kinds
+    edit_config(path, layer_types=None, full_attn_idxs=[i for i, k in enumerate(kinds) if k == "full_attention"])
+    assert Lfm2Config.from_dir(path).layer_kinds == kinds
+
+
+def test_both_moe_expert_layouts_give_identical_logits(moe_dir, moe_fused_dir):
+    per_expert, _ = load_model(moe_dir)
+    fused, _ = load_model(moe_fused_dir)
+    a, _ = per_expert(PROMPT)
+    b, _ = fused(PROMPT)
+    assert np.array_equal(np.array(per_expert.head(a)), np.array(fused.head(b)))
+
+
+def test_mlx_conv_layout_is_accepted(dense_dir, tmp_path):
+    path = copy_of(dense_dir, tmp_path)
+    reference, _ = load_model(dense_dir)
+
+    def to_mlx_layout(t):
+        for name in [n for n in t if n.endswith("conv.conv.weight")]:
+            t[name] = np.ascontiguousarray(t[name].transpose(0, 2, 1))
+
+    edit_tensors(path, to_mlx_layout)
+    converted, _ = load_model(path)
+    assert np.array_equal(np.array(reference.head(reference(PROMPT)[0])), np.array(converted.head(converted(PROMPT)[0])))
+
+
+def test_expert_bias_stays_float32(moe_dir):
+    model, _ = load_model(moe_dir, dtype="float16")
+    moe = model.layers[-1].feed_forward
+    assert moe.expert_bias.dtype == mx.float32 and moe.gate.weight.dtype == mx.float32
+    assert model.layers[-1].operator_norm.weight.dtype == mx.float16
+
+
+def test_mlx_quantized_checkpoint_loads(dense_dir, tmp_path):
+    """An MLX-quantized directory (.scales/.biases + a quantization block, as mlx-lm writes
+    them) loads to exactly the model that was quantized and saved."""
+    import mlx.nn as nn
+
+    source, _ = load_model(dense_dir)
+    nn.quantize(source, group_size=32, bits=8)
+    path = copy_of(dense_dir, tmp_path)
+    (path / "model.safetensors").unlink()
+    mx.save_safetensors(str(path / "model.safetensors"), {"model." + k: v for k, v in nn.utils.tree_flatten(source.parameters())})
+    edit_config(path, quantization={"group_size": 32, "bits": 8})
+    loaded, _ = load_model(path)
+    assert isinstance(loaded.layers[0].feed_forward.w1, nn.QuantizedLinear)
+    assert np.array_equal(np.array(loaded.head(loaded(PROMPT)[0])), np.array(source.head(source(PROMPT)[0])))
+
+
+REFUSALS = [
+    ("missing tensor", lambda p: edit_tensors(p, lambda t: t.pop("model.layers.1.conv.out_proj.weight")), "model.layers.1.conv.out_proj.weight"),
+    ("wrong shape", lambda p: edit_tensors(p, lambda t: t.update({"model.layers.0.ffn_norm.weight": np.ones(7, np.float32)})), "model.layers.0.ffn_norm.weight has shape (7,)"),
+    ("unknown model_type", lambda p: edit_config(p, model_type="llama"), "model_type 'llama'"),
+    ("bad layer kinds", lambda p: edit_config(p, layer_types=["conv", "mamba", "conv", "conv", "conv", "full_attention"]), "unknown layer kinds ['mamba']"),
+    ("wrong layer count", lambda p: edit_config(p, layer_types=["conv"]), "'layer_types' must list 6"),
+    ("non-finite theta", lambda p: edit_config(p, rope_parameters={"rope_theta": float("inf")}), "rope theta must be a finite positive number"),
+    ("negative theta", lambda p: edit_config(p, rope_theta=-1.0, rope_parameters=None), "rope theta must be a finite positive number"),
+    ("no weights", lambda p: (p / "model.safetensors").unlink(), "holds no *.safetensors"),
+    ("broken json", lambda p: (p / "config.json").write_text("{"), "config.json is not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("case,plant,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_malformed_checkpoints_are_refused_by_name(case, plant, message, dense_dir, tmp_path, capsys):
+    path = copy_of(dense_dir, tmp_path)
+    plant(path)
+    with pytest.raises(CheckpointError, match=None) as refused:
+        load_model(path)
+    assert message in str(refused.value)
+    # From the command line: one line naming the problem and exit status 2, no traceback.
+    assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
