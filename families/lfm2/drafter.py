@@ -1,0 +1,557 @@
+"""LiquidAI's DSpark drafter for LFM2 targets, in MLX.
+
+A small Qwen3-style backbone reads the target's residual streams after a few layers (the
+taps), drafts a whole block `[anchor] + [mask] * (g - 1)` in one forward, and turns it
+into a chain of g proposals with a low-rank Markov token-transition head; a confidence
+head says how likely each proposal is to survive verification. It has no embedding and
+no head of its own: both are the target's tied table.
+
+The runtime (`DSparkDrafter`) keeps each lane's context K/V in slot pools (cache.py),
+appended only with committed rows, and proposes for many lanes in one batched forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import KVPool, LaneSlot, RaggedLayout
+from .config import CheckpointError, Lfm2Config, read_json
+from .loader import DTYPES, read_tensors
+from .model import Lfm2Model
+
+log = logging.getLogger("laneserve.load")
+
+MAX_VERIFY_WIDTH = 32  # rows of one lane's verify window: the anchor plus at most 31 drafts
+MAX_MARKOV_RANK = 1024  # the released heads use 256; wider tables are refused, not guessed at
+DRAFTER_BITS = (8,)  # the only opt-in quantization of the drafter's linear layers
+QUANT_GROUP = 64
+
+
+class DraftError(RuntimeError):
+    """A lane's round of proposals is unusable (non-finite numbers or an id outside the
+    vocabulary); the round fails for that lane only."""
+
+    def __init__(self, lane: int, reasons: list[str]):
+        self.lane = lane
+        self.reasons = reasons
+        super().__init__(f"draft for lane {lane} is unusable: {'; '.join(reasons)}")
+
+
+# --- config -----------------------------------------------------------------------------
+
+
+def _field(raw: dict, key: str, default=None):
+    value = raw.get(key, default)
+    if value is None:
+        raise CheckpointError(f"drafter config.json lacks '{key}'")
+    return value
+
+
+def _int(raw: dict, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None) -> int:
+    value = _field(raw, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise CheckpointError(f"drafter config.json '{key}' must be an integer {bound}, got {value!r}")
+    return value
+
+
+def _bool(raw: dict, key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"drafter config.json '{key}' must be true or false, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    rope_theta: float
+    rope_traditional: bool  # interleaved pairing (`rope_is_neox_style` false)
+    block_size: int  # trained proposals per round
+    width: int  # proposals per round at runtime: runtime_block_size or block_size, clamped
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    markov_rank: int
+    enable_confidence_head: bool
+    confidence_head_with_markov: bool
+
+    @property
+    def max_width(self) -> int:
+        """The widest block `propose` accepts: the trained width under the verify ceiling."""
+        return min(self.block_size, MAX_VERIFY_WIDTH - 1)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> DSparkConfig:
+        """Read a drafter config; fields may sit at top level or inside `dflash_config`
+        (the nested value wins). Every refusal names its field."""
+        nested = raw.get("dflash_config") or {}
+        if not isinstance(nested, dict):
+            raise CheckpointError(f"drafter config.json 'dflash_config' must be an object, got {nested!r}")
+        raw = {**raw, **nested}
+        hidden = _int(raw, "hidden_size")
+        heads = _int(raw, "num_attention_heads")
+        kv_heads = _int(raw, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"drafter config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        vocab = _int(raw, "vocab_size")
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            raise CheckpointError(f"drafter config.json 'rms_norm_eps' must be a finite positive number, got {eps!r}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"drafter config.json 'hidden_act' must be 'silu' (SwiGLU), got {raw['hidden_act']!r}")
+        if raw.get("attention_bias", False):
+            raise CheckpointError("drafter config.json 'attention_bias' is true; DSpark drafters have no attention biases")
+        # Required (nested form first, as for the target): the published drafters differ
+        # (1e6, 5e6, 1e7) and a wrong theta degrades with position instead of failing.
+        theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta"))
+        if theta is None:
+            raise CheckpointError("drafter config.json lacks 'rope_theta'")
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+            raise CheckpointError(f"drafter config.json 'rope_theta' must be a finite positive number, got {theta!r}")
+        mask = _int(raw, "mask_token_id", minimum=0)
+        if mask >= vocab:
+            raise CheckpointError(f"drafter config.json 'mask_token_id' {mask} is not below vocab_size {vocab}")
+        target_layers = _int(raw, "num_target_layers", minimum=2)
+        ids = _field(raw, "target_layer_ids")
+        if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise CheckpointError(f"drafter config.json 'target_layer_ids' must be a non-empty list of layer indices, got {ids!r}")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise CheckpointError(f"drafter config.json 'target_layer_ids' must be strictly increasing, got {ids}")
+        if ids[0] < 0 or ids[-1] >= target_layers - 1:
+            # The last layer's residual is what the target's head reads; taps come before it.
+            raise CheckpointError(
+                f"drafter config.json 'target_layer_ids' {ids} must lie in 0..{target_layers - 2} "
+                f"(inside the {target_layers}-layer target, not its last layer)"
+            )
+        if raw.get("markov_head_type", "vanilla") != "vanilla":
+            raise CheckpointError(f"drafter config.json 'markov_head_type' {raw['markov_head_type']!r} is not supported; expected 'vanilla'")
+        block = _int(raw, "block_size")
+        width = block if raw.get("runtime_block_size") is None else _int(raw, "runtime_block_size", maximum=block)
+        if width > MAX_VERIFY_WIDTH - 1:
+            log.warning("drafter width %d clamped to %d (verify windows are at most %d rows)", width, MAX_VERIFY_WIDTH - 1, MAX_VERIFY_WIDTH)
+            width = MAX_VERIFY_WIDTH - 1
+        return cls(
+            hidden_size=hidden,
+            num_layers=_int(raw, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=_int(raw, "head_dim", hidden // heads),
+            intermediate_size=_int(raw, "intermediate_size"),
+            rms_norm_eps=float(eps),
+            vocab_size=vocab,
+            rope_theta=float(theta),
+            rope_traditional=not _bool(raw, "rope_is_neox_style", False),
+            block_size=block,
+            width=width,
+            mask_token_id=mask,
+            target_layer_ids=tuple(ids),
+            num_target_layers=target_layers,
+            markov_rank=_int(raw, "markov_rank", maximum=MAX_MARKOV_RANK),
+            enable_confidence_head=_bool(raw, "enable_confidence_head", True),
+            confidence_head_with_markov=_bool(raw, "confidence_head_with_markov", True),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> DSparkConfig:
+        return cls.from_dict(read_json(Path(path) / "config.json"))
+
+
+def check_pairing(drafter: DSparkConfig, target: Lfm2Config) -> None:
+    """Refuse a drafter trained for another target: its taps, embedding and head must fit."""
+    if drafter.num_target_layers != target.num_layers:
+        raise CheckpointError(
+            f"drafter 'num_target_layers' {drafter.num_target_layers} does not match the target's {target.num_layers} layers"
+        )
+    if drafter.vocab_size != target.vocab_size:
+        raise CheckpointError(f"drafter 'vocab_size' {drafter.vocab_size} does not match the target's {target.vocab_size}")
+    if drafter.hidden_size != target.hidden_size:
+        # The block is embedded with, and read out by, the target's table [V, H_target].
+        raise CheckpointError(f"drafter 'hidden_size' {drafter.hidden_size} does not match the target's {target.hidden_size}")
+
+
+# --- model ------------------------------------------------------------------------------
+
+
+class DSparkAttention(nn.Module):
+    """GQA with per-head RMSNorm on q and k, then RoPE (interleaved pairing by default).
+    The block's queries attend over the lane's context keys and the whole block."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rope_theta, self.rope_traditional = cfg.rope_theta, cfg.rope_traditional
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D]."""
+        n, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(n, t, self.kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(n, t, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        return self.rope(k, offset), v
+
+    def __call__(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
+        n, g, _ = x.shape
+        offset = layout.offsets[0] if layout.lanes == 1 else layout.offsets_array
+        q = self.q_norm(self.q_proj(x).reshape(n, g, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset)
+        # The block's keys go to the pool just past the committed context; they are read
+        # this round only and overwritten by the next append.
+        pool.write(slots, layout, *self.keys_values(x, offset))
+        keys, values = pool.read(slots, layout.span)
+        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, g, -1))
+
+
+class DSparkMLP(nn.Module):
+    """SwiGLU: `down(silu(gate x) * up x)`."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DSparkAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = DSparkMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def __call__(self, h: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), layout, slots, pool, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """Rank-r token transitions: `w2(w1[prev])` is added to the base logits of the row
+    that proposes the token after `prev`."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    """`sigmoid(proj([h ; w1[prev]]))`: the chance a proposal survives given that the
+    ones before it did."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.proj(x).astype(mx.float32)).squeeze(-1)
+
+
+class DSparkModel(nn.Module):
+    """The drafter's own weights. The target's table embeds the block and is its head."""
+
+    def __init__(self, cfg: DSparkConfig, target_hidden: int):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * target_hidden, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DSparkLayer(cfg) for _ in range(cfg.num_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+
+    def context(self, taps: mx.array) -> mx.array:
+        """Taps [R, n_taps * H_target] -> context rows `hidden_norm(fc(taps))` [R, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def block(self, h: mx.array, layout: RaggedLayout, slots: list[int], pools: list[KVPool], mask) -> mx.array:
+        """Embedded block [N, g, H] -> final-normed hidden rows `h_k` [N, g, H]."""
+        for layer, pool in zip(self.layers, pools):
+            h = layer(h, layout, slots, pool, mask)
+        return self.norm(h)
+
+
+# --- runtime ----------------------------------------------------------------------------
+
+
+NONFINITE_LOGITS, NONFINITE_CONFIDENCE, ID_OUT_OF_RANGE = 1, 2, 4
+
+
+@dataclass
+class Proposal:
+    """One round's drafts for N lanes, lazily evaluated, lanes in the order given.
+
+    Block row k proposes `tokens[:, k]` (x_{k+1}, the token after x_k, x_0 the anchor),
+    picked from `logits[:, k]`; `confidences[:, k]` is the chance that `tokens[:, k]`
+    survives verification given that `tokens[:, :k]` did (None without a confidence
+    head). `faults` is a per-lane bitmask read by `validate_proposal`."""
+
+    tokens: mx.array  # [N, g] int32
+    confidences: mx.array | None  # [N, g] float32
+    logits: mx.array  # [N, g, V] float32, the Markov-corrected chain logits l_k
+    faults: mx.array  # [N] int32
+    vocab_size: int
+
+    def arrays(self) -> list[mx.array]:
+        """What to evaluate (together, in one sync) before reading the proposal."""
+        return [a for a in (self.tokens, self.confidences, self.logits, self.faults) if a is not None]
+
+
+def draft_faults(tokens: mx.array, confidences: mx.array | None, logits: mx.array, vocab_size: int) -> mx.array:
+    """Per-lane fault bitmask [N] (lazy): non-finite logits, non-finite confidences, ids
+    outside [0, vocab_size)."""
+    faults = mx.where(mx.isfinite(logits).all(axis=(1, 2)), 0, NONFINITE_LOGITS)
+    if confidences is not None:
+        faults = faults | mx.where(mx.isfinite(confidences).all(axis=1), 0, NONFINITE_CONFIDENCE)
+    outside = ((tokens < 0) | (tokens >= vocab_size)).any(axis=1)
+    return (faults | mx.where(outside, ID_OUT_OF_RANGE, 0)).astype(mx.int32)
+
+
+def validate_proposal(proposal: Proposal) -> list[DraftError | None]:
+    """One entry per lane: None when its drafts may be verified, else the DraftError
+    that fails its round. Never raises, so one bad lane leaves the others drafting.
+    Reads `faults` (a host sync unless the proposal's arrays were evaluated)."""
+    faults = proposal.faults.tolist()
+    errors: list[DraftError | None] = []
+    for lane, fault in enumerate(faults):
+        reasons = []
+        if fault & NONFINITE_LOGITS:
+            reasons.append("the chain logits hold NaN or Inf")
+        if fault & NONFINITE_CONFIDENCE:
+            reasons.append("the confidences hold NaN or Inf")
+        if fault & ID_OUT_OF_RANGE:
+            reasons.append(f"a draft id lies outside [0, {proposal.vocab_size})")
+        errors.append(DraftError(lane, reasons) if reasons else None)
+    return errors
+
+
+Pick = Callable[[mx.array, int], mx.array]
+
+
+class DSparkDrafter:
+    """A drafter serving many lanes: each lane owns a slot of append-only context K/V.
+
+    A lane's context holds one row per committed token of its sequence (the taps of
+    that token's target row), at that token's position; its length must equal the
+    target's committed length. `propose` never grows it."""
+
+    def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16):
+        self.model = model
+        self.config = model.config
+        self.embed = target_model.embed_tokens  # borrowed: embeds the block and is the head
+        self.max_lanes = max_lanes
+        self.dtype = model.hidden_norm.weight.dtype
+        cfg = self.config
+        self.kv = [KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for _ in range(cfg.num_layers)]
+        self._free = list(range(max_lanes))
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        """The target layers whose residuals this drafter reads (set the target's `tap_layers`)."""
+        return self.config.target_layer_ids
+
+    @property
+    def width(self) -> int:
+        """Default proposals per round."""
+        return self.config.width
+
+    def open_lane(self) -> LaneSlot:
+        if not self._free:
+            raise RuntimeError(f"all {self.max_lanes} drafter slots are in use")
+        slot = min(self._free)
+        self._free.remove(slot)
+        return LaneSlot(slot)
+
+    def close_lane(self, lane: LaneSlot) -> None:
+        if lane.slot in self._free:
+            raise RuntimeError(f"drafter slot {lane.slot} is already free")
+        self._free.append(lane.slot)
+        lane.length = 0
+
+    def kv_bytes(self) -> int:
+        return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv)
+
+    def validate(self, proposal: Proposal) -> list[DraftError | None]:
+        """Per-lane problems of an evaluated proposal (see `validate_proposal`)."""
+        return validate_proposal(proposal)
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every pool array, to evaluate appended context together with a round's outputs."""
+        return [a for pool in self.kv for a in (pool.keys, pool.values)]
+
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array]) -> None:
+        """Add newly committed rows to each lane's context: `taps[i]` is
+        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0). Lazy."""
+        slots, positions, parts = [], [], []
+        for lane, rows in zip(lanes, taps):
+            count = rows.shape[0]
+            slots += [lane.slot] * count
+            positions += range(lane.length, lane.length + count)
+            parts.append(rows)
+        if not positions:
+            return
+        # Every row is its own one-row "lane" at its slot and position: no padding, one
+        # scatter per layer however ragged the counts are.
+        layout = RaggedLayout([1] * len(positions), positions)
+        c = self.model.context(mx.concatenate(parts, axis=0).astype(self.dtype))[:, None, :]  # [R, 1, H]
+        for layer, pool in zip(self.model.layers, self.kv):
+            pool.reserve(layout.span)
+            pool.write(slots, layout, *layer.self_attn.keys_values(c, layout.offsets_array))
+        for lane, rows in zip(lanes, taps):
+            lane.length += rows.shape[0]
+
+    def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None) -> Proposal:
+        """Draft `width` tokens after each lane's anchor (the last token the target
+        emitted, at position `lane.length`), all lanes in one lazy forward.
+
+        `pick(logits [N, V], k) -> tokens [N]` chooses x_{k+1} from the chain logits of
+        row k (argmax when None); the lane core passes its sampler for temperature > 0."""
+        cfg = self.config
+        g = cfg.width if width is None else width
+        if not 1 <= g <= cfg.max_width:
+            raise ValueError(f"draft width {g} is outside 1..{cfg.max_width}")
+        if len(anchors) != len(lanes):
+            raise ValueError(f"{len(lanes)} lanes but {len(anchors)} anchors")
+        n = len(lanes)
+        lengths = [lane.length for lane in lanes]
+        slots = [lane.slot for lane in lanes]
+        layout = RaggedLayout([g] * n, lengths)
+        for pool in self.kv:
+            pool.reserve(layout.span)
+        # No causal mask inside the block: each lane sees its context and its whole block;
+        # only keys past its own block (where other lanes' contexts are longer) are hidden.
+        mask = None
+        if len(set(lengths)) > 1:
+            visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
+            mask = visible[:, None, None, :]
+        block = mx.array([[a] + [cfg.mask_token_id] * (g - 1) for a in anchors], dtype=mx.int32)
+        h = self.model.block(self.embed(block).astype(self.dtype), layout, slots, self.kv, mask)
+        base = self.embed.as_linear(h).astype(mx.float32)  # U_k: row k proposes x_{k+1}
+
+        markov = self.model.markov_head
+        prev = mx.array(anchors, dtype=mx.int32)
+        tokens, logits, prev_rows = [], [], []
+        for k in range(g):
+            # Ids from a faulty pick are clipped for the lookup only; the raw ids are
+            # returned so the fault is reported, never read out of bounds.
+            e = markov.markov_w1(mx.clip(prev, 0, cfg.vocab_size - 1))
+            l_k = base[:, k] + markov.markov_w2(e).astype(mx.float32)
+            prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
+            tokens.append(prev)
+            logits.append(l_k)
+            prev_rows.append(e)
+        tokens_arr = mx.stack(tokens, axis=1)
+        logits_arr = mx.stack(logits, axis=1)
+        confidences = None
+        if cfg.enable_confidence_head:
+            features = mx.concatenate([h, mx.stack(prev_rows, axis=1).astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
+            confidences = self.model.confidence_head(features)
+        faults = draft_faults(tokens_arr, confidences, logits_arr, cfg.vocab_size)
+        return Proposal(tokens_arr, confidences, logits_arr, faults, cfg.vocab_size)
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def _checked_tensors(model: DSparkModel, tensors: dict[str, mx.array], target_hidden: int) -> dict[str, mx.array]:
+    """The tensors the model uses, each checked against its parameter's shape."""
+    cfg = model.config
+    expected = dict(nn.utils.tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise CheckpointError(f"drafter lacks tensor{'s' if len(missing) > 1 else ''} {', '.join(missing[:5])}")
+    for name, param in expected.items():
+        got, want = tuple(tensors[name].shape), tuple(param.shape)
+        if got == want:
+            continue
+        why = ""
+        if name == "fc.weight":
+            why = f" = [hidden {cfg.hidden_size}, {len(cfg.target_layer_ids)} taps x target hidden {target_hidden}]"
+        elif name.startswith("markov_head."):
+            why = f" = [target vocab {cfg.vocab_size}, markov_rank {cfg.markov_rank}]"
+        raise CheckpointError(f"drafter tensor {name} has shape {got}, expected {want}{why}")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        log.warning("drafter: ignoring %d tensors it does not use, e.g. %s", len(unexpected), unexpected[:3])
+    return {name: tensors[name] for name in expected}
+
+
+def load_drafter(
+    path: str | Path,
+    target_model: Lfm2Model,
+    target_config: Lfm2Config,
+    dtype: str | None = None,
+    bits: int | None = None,
+    max_lanes: int = 16,
+) -> DSparkDrafter:
+    """Load a LiquidAI DSpark drafter directory for a loaded target.
+
+    The config and its pairing with the target are checked before any weight is read;
+    every refusal is a CheckpointError naming the field or tensor. `dtype` casts the
+    floating weights ("float32", "float16", "bfloat16"; default: as stored). `bits=8`
+    is an explicit opt-in that quantizes the drafter's linear layers (MLX affine, group
+    64); the Markov table and the one-row confidence head stay as loaded."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"drafter directory {path} does not exist")
+    if bits is not None and bits not in DRAFTER_BITS:
+        raise CheckpointError(f"drafter bits {bits!r} is not supported; use {' or '.join(map(str, DRAFTER_BITS))}, or leave it unset")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    cfg = DSparkConfig.from_dir(path)
+    check_pairing(cfg, target_config)
+    tensors = {name.removeprefix("model."): value for name, value in read_tensors(path).items()}
+    model = DSparkModel(cfg, target_config.hidden_size)
+    tensors = _checked_tensors(model, tensors, target_config.hidden_size)
+    cast = DTYPES[dtype] if dtype else None
+    # One layer at a time, each materialised before the next is read.
+    groups: dict[str, list[str]] = {}
+    for name in tensors:
+        m = re.match(r"layers\.(\d+)\.", name)
+        groups.setdefault(m.group(0) if m else name, []).append(name)
+    for names in groups.values():
+        part = [(n, tensors.pop(n)) for n in names]
+        part = [(n, v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v) for n, v in part]
+        model.load_weights(part, strict=False)
+        mx.eval([v for _, v in part])
+    if bits is not None:
+        nn.quantize(
+            model,
+            group_size=QUANT_GROUP,
+            bits=bits,
+            # Linear layers only, and only where the input width splits into groups.
+            class_predicate=lambda p, m: isinstance(m, nn.Linear) and p != "confidence_head.proj" and m.weight.shape[-1] % QUANT_GROUP == 0,
+        )
+        mx.eval(model.parameters())
+        log.info("drafter linear layers quantized to %d bits (group %d)", bits, QUANT_GROUP)
+    model.eval()
+    return DSparkDrafter(model, target_model, max_lanes)
