@@ -16,6 +16,7 @@ import sys
 import time
 
 from families.lfm2 import CheckpointError, open_target
+from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.lane import Request
@@ -49,8 +50,35 @@ def add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights (default: as stored)")
+    add_drafting(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(run=run_generate)
+
+
+def add_drafting(p) -> None:
+    p.add_argument("--draft-model", help="a LiquidAI DSpark drafter directory paired with --model")
+    p.add_argument("--no-draft", action="store_true", help="decode plainly even with a drafter")
+    p.add_argument("--draft-width", type=int, help="fixed verify rows per drafted round (anchor + W-1 drafts); "
+                   "default: priced each round from the drafter's confidences, with guards deciding whether to draft")
+    p.add_argument("--drafter-bits", type=int, help="opt-in: quantize the drafter's linear layers to 8 bits at load "
+                   "(MLX affine, group 64); default: the released weights as they are")
+
+
+def open_drafter(args, loaded):
+    """The drafter the flags ask for, or None."""
+    if args.draft_model is None:
+        if args.draft_width is not None or args.drafter_bits is not None:
+            raise UsageError("--draft-width and --drafter-bits need --draft-model")
+        return None
+    drafter = load_drafter(
+        args.draft_model, loaded.target.model, loaded.target.config, dtype=args.dtype, bits=args.drafter_bits,
+        max_lanes=loaded.target.max_lanes,
+    )
+    logging.getLogger("laneserve").info(
+        "drafter %s: %d proposals per round, %s weights", args.draft_model, drafter.width,
+        f"{args.drafter_bits}-bit quantized" if args.drafter_bits else "released",
+    )
+    return drafter
 
 
 def run_generate(args) -> int:
@@ -69,18 +97,26 @@ def run_generate(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
-    engine = Engine(loaded.target, tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=1))
+    drafter = open_drafter(args, loaded)
+    engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
+    if drafter is not None and args.draft_width is None and not args.no_draft:
+        engine.rounds.warm_up(1)
     started = time.perf_counter()
-    done = engine.generate([Request(prompt, args.max_tokens, sampling, tuple(args.stop))])[0]
+    done = engine.generate([Request(prompt, args.max_tokens, sampling, tuple(args.stop), draft=not args.no_draft)])[0]
     seconds = time.perf_counter() - started
+    if done.error:
+        raise UsageError(done.error)
     if args.json:
-        print(json.dumps({
+        result = {
             "token_ids": done.token_ids,
             "text": done.text,
             "finish_reason": done.finish_reason.value,
             "prompt_tokens": done.prompt_tokens,
             "seconds": round(seconds, 4),
-        }))
+        }
+        if drafter is not None:
+            result["draft"] = done.draft.as_dict()
+        print(json.dumps(result))
     else:
         print(done.text)
     return 0

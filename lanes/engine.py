@@ -204,6 +204,6 @@ class Engine:
             self.target.close_lane(lane.target_slot)
             if lane.drafter_slot is not None:
                 self.drafter.close_lane(lane.drafter_slot)
-            lane.pending_taps.clear()
+            lane.pending_taps, lane.pending_tokens = [], []
         self._running = [lane for lane in self._running if not lane.finished]
         mx.clear_cache()

@@ -102,7 +102,9 @@ class Lane:
         self.stats = DraftStats()
         self.target_slot = None  # the target's cache handle
         self.drafter_slot = None  # the drafter's cache handle, when drafting is possible
-        self.pending_taps: list = []  # committed rows' taps not yet in the drafter's context
+        # Committed rows not yet in the drafter's context: their taps and token ids.
+        self.pending_taps: list = []
+        self.pending_tokens: list[int] = []
         self.cancelled = False
         self._detokenizer = detokenizer
         self._stops = StopMatcher(request.stop)

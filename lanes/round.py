@@ -8,10 +8,26 @@ drafter context append of anchor + accepted rows), emit, and record what the rou
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass, field
+
 import mlx.core as mx
 
+from .calibration import ConfidenceCalibrator
+from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
+from .pricing import CostTable, NoCostData, chain_chances, plan_depths
 from .sampling import SAMPLE, SamplingParams, apply_repetition_penalty, draw, filtered_logprobs, lane_uniform
+from .verify import Window, draft_picker, verify
+
+log = logging.getLogger("laneserve.round")
+
+# A lane keeps at most this many committed rows of taps waiting for the drafter: past it
+# they are folded into the drafter's context even while the guard keeps rounds plain, so
+# memory stays bounded and a later (probe) round finds the context complete.
+PENDING_TAPS_LIMIT = 64
+VERIFY_WIDTH_CEILING = 32
 
 
 def choose_tokens(logits: mx.array, params: list[SamplingParams], histories: list[list[int]], uniforms: list[float]) -> mx.array:
@@ -26,17 +42,96 @@ def choose_tokens(logits: mx.array, params: list[SamplingParams], histories: lis
     return mx.where(mx.array([p.greedy for p in params]), greedy, sampled)
 
 
+@dataclass
+class RoundReport:
+    """What one round did, for metrics and logs."""
+
+    kind: str  # "plain", "drafted" or "probe"
+    lanes: int
+    rows: int
+    emitted: int
+    seconds: float
+    drafting_lanes: int = 0
+    draft_seconds: float = 0.0
+    proposed_per_position: list[int] = field(default_factory=list)  # verified drafts at position k
+    accepted_per_position: list[int] = field(default_factory=list)
+    decision: GuardDecision | None = None
+
+
 class RoundRunner:
-    def __init__(self, target, drafter=None, draft_width: int | None = None):
+    """Runs prefill and rounds for the engine. `draft_width` fixes the verify rows of a
+    drafted round (anchor + W-1 drafts, every round); None prices them per round and lets
+    the guard decide whether to draft at all."""
+
+    def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
+                 costs: CostTable | None = None, clock=time.perf_counter):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
+        self.guard = guard or DraftGuard()
+        self.costs = costs or CostTable()
+        self.clock = clock
+        self.reports: list[RoundReport] = []
+        self.on_report = None  # optional callable(RoundReport), e.g. metrics
+        if drafter is not None:
+            if draft_width is not None and not 2 <= draft_width <= min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING):
+                raise ValueError(
+                    f"--draft-width must be within 2..{min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING)} "
+                    f"(anchor + up to {drafter.config.max_width} drafts), got {draft_width}"
+                )
+            self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
+            self.calibrator = ConfidenceCalibrator(self.proposals)
+            target.tap_layers = drafter.tap_layers
+
+    def warm_up(self, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
+        """Seed the cost table with a short profile: target forwards of L lanes x w rows
+        and drafter proposals for L lanes, at a short context, best of `repeats`."""
+        counts = sorted({1, min(4, max_lanes), max_lanes})
+        widths = sorted({1, 2, 4, self.proposals + 1}) if self.drafter is not None else [1]
+        prompt = [1 + (i % (self.target.vocab_size - 1)) for i in range(context)]
+        slots = [self.target.open_lane() for _ in range(counts[-1])]
+        out = self.target.forward(slots, [prompt] * len(slots), logits="last", taps=self.drafter is not None)
+        self.target.commit(out, [context] * len(slots))
+        drafter_slots = []
+        if self.drafter is not None:
+            drafter_slots = [self.drafter.open_lane() for _ in slots]
+            rows = [out.taps[out.row_starts[i] : out.row_starts[i] + context] for i in range(len(slots))]
+            self.drafter.append(drafter_slots, rows, [prompt] * len(slots))
+        mx.eval(out.logits, *self.target.state_arrays(), *(self.drafter.state_arrays() if self.drafter else []))
+        try:
+            for lanes in counts:
+                for width in widths:
+                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], width)) for _ in range(repeats))
+                    self.costs.seed(lanes * width, lanes, context, seconds)
+                if self.drafter is not None:
+                    propose = lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
+                    self.costs.observe_draft(lanes, context, min(self._time(propose) for _ in range(repeats)))
+        finally:
+            for slot in slots:
+                self.target.close_lane(slot)
+            for slot in drafter_slots:
+                self.drafter.close_lane(slot)
+
+    def _forward_only(self, slots, width: int) -> list[mx.array]:
+        """A forward that is never committed: the rows it writes past each lane's length
+        are not counted and will be overwritten."""
+        out = self.target.forward(slots, [[1] * width] * len(slots))
+        return [out.logits, *self.target.state_arrays()]
+
+    def _time(self, build) -> float:
+        started = self.clock()
+        mx.eval(build())
+        return self.clock() - started
+
+    # ---- prefill -----------------------------------------------------------------
 
     def prefill(self, lane: Lane, chunk: list[int]) -> mx.array:
         """Read one chunk of a lane's prompt; returns the chunk's last-row logits."""
         logits, taps = self.target.prefill(lane.target_slot, chunk, chunk=len(chunk), taps=lane.drafter_slot is not None)
         if taps is not None:
             lane.pending_taps.append(taps)
+            lane.pending_tokens += chunk
+            self._fold_pending([lane], limit=PENDING_TAPS_LIMIT)
         return logits
 
     def first_token(self, lane: Lane, logits: mx.array) -> int:
@@ -46,25 +141,145 @@ class RoundRunner:
         )
         return int(token.item())
 
-    def run(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
-        return self._plain_round(lanes)
+    # ---- rounds --------------------------------------------------------------------
 
-    def _plain_round(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
+    def run(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
+        started = self.clock()
+        context = max(lane.context for lane in lanes)
+        eligible = [lane for lane in lanes if lane.drafter_slot is not None and lane.remaining > 1]
+        decision = None
+        if eligible and self.draft_width is None:
+            decision = self.guard.decide(len(lanes), context)
+            if not decision.draft:
+                eligible = []
+        if eligible:
+            events, report = self._drafted_round(lanes, eligible, started)
+        else:
+            events, report = self._plain_round(lanes, started)
+        report.decision = decision
+        if decision is not None:
+            self.guard.record(decision, report.seconds, report.emitted)
+            if decision.probe:
+                report.kind = "probe"
+        self.costs.observe(report.rows, len(lanes), context, report.seconds - report.draft_seconds)
+        if report.drafting_lanes:
+            self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
+        if self.on_report is not None:
+            self.on_report(report)
+        return events
+
+    def _plain_round(self, lanes: list[Lane], started: float) -> tuple[list, RoundReport]:
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
         out = self.target.forward([lane.target_slot for lane in lanes], [[lane.anchor] for lane in lanes], taps=want_taps)
         uniforms = [lane_uniform(lane.seed, lane.position + 1, SAMPLE) for lane in lanes]
-        tokens = choose_tokens(
-            out.logits,
-            [lane.request.sampling for lane in lanes],
-            [lane.request.prompt + lane.generated for lane in lanes],
-            uniforms,
-        )
+        histories = [lane.request.prompt + lane.generated for lane in lanes]
+        tokens = choose_tokens(out.logits, [lane.request.sampling for lane in lanes], histories, uniforms)
         self.target.commit(out, [1] * len(lanes))
         mx.eval(tokens, *self.target.state_arrays())
         events = []
         for i, (lane, token) in enumerate(zip(lanes, tokens.tolist())):
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[i : i + 1])
+                lane.pending_tokens.append(lane.anchor)
             lane.stats.rounds += 1
             events.append((lane, lane.emit([token])))
-        return events
+        self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        emitted = sum(len(event.token_ids) for _, event in events)
+        return events, RoundReport("plain", len(lanes), len(lanes), emitted, self.clock() - started)
+
+    def _fold_pending(self, lanes: list[Lane], limit: int = 0) -> None:
+        """Move lanes' pending taps into the drafter's context (those holding more than
+        `limit` rows), in one batched append."""
+        due = [lane for lane in lanes if len(lane.pending_tokens) > limit]
+        if not due:
+            return
+        self.drafter.append(
+            [lane.drafter_slot for lane in due],
+            [mx.concatenate(lane.pending_taps) for lane in due],
+            [lane.pending_tokens for lane in due],
+        )
+        for lane in due:
+            lane.pending_taps, lane.pending_tokens = [], []
+        mx.eval(self.drafter.state_arrays())
+
+    def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
+        # 1. Draft: bring the drafting lanes' contexts up to date, one batched proposal.
+        self._fold_pending(drafting)
+        g = self.proposals
+        params = [lane.request.sampling for lane in drafting]
+        seeds = [lane.seed for lane in drafting]
+        positions = [lane.position for lane in drafting]
+        pick = draft_picker(params, seeds, positions, g)
+        proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g, pick)
+        mx.eval(proposal.arrays())
+        problems = self.drafter.validate(proposal)
+        drafts = proposal.tokens.tolist()
+        raw = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
+        draft_seconds = self.clock() - started
+
+        # 2. Price: every lane's verify depth, decided before the target runs.
+        caps = [0 if problem else min(g, lane.remaining - 1) for lane, problem in zip(drafting, problems)]
+        calibrated = [self.calibrator.calibrate(c) for c in raw]
+        if self.draft_width is not None:
+            depths = caps
+        else:
+            context = max(lane.context for lane in lanes)
+            try:
+                depths = plan_depths(
+                    [chain_chances(c) for c in calibrated],
+                    plain_rows=len(lanes) - len(drafting),
+                    round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
+                    draft_seconds=draft_seconds,
+                    max_depths=caps,
+                )
+            except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
+                depths = caps
+        for lane, problem in zip(drafting, problems):
+            if problem is not None:
+                lane.stats.errors.append(str(problem))
+                log.warning("lane %s: %s; its round runs plain", lane.id, problem)
+
+        # 3. Verify: one target forward over every lane's rows.
+        row_of = {id(lane): r for r, lane in enumerate(drafting)}
+        windows = []
+        for lane in lanes:
+            r = row_of.get(id(lane))
+            window_drafts = drafts[r][: depths[r]] if r is not None else []
+            windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.request.prompt + lane.generated,
+                                  window_drafts, r))
+        out = self.target.forward(
+            [lane.target_slot for lane in lanes],
+            [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)],
+            taps=True,
+        )
+        outcomes = verify(out.logits, out.row_starts, windows, proposal.logits)
+
+        # 4. Commit and emit.
+        self.target.commit(out, [1 + o.accepted for o in outcomes])
+        mx.eval(self.target.state_arrays())
+        events = []
+        proposed_at, accepted_at = [0] * g, [0] * g
+        for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
+            if lane.drafter_slot is not None:
+                lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])
+                lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
+            lane.stats.rounds += 1
+            r = row_of.get(id(lane))
+            if r is not None and window.drafts:
+                depth = len(window.drafts)
+                lane.stats.drafted_rounds += 1
+                lane.stats.proposed += depth
+                lane.stats.accepted += outcome.accepted
+                lane.stats.accepted_per_round.append(outcome.accepted)
+                self.calibrator.observe(raw[r][:depth], depth, outcome.accepted)
+                for k in range(depth):
+                    proposed_at[k] += 1
+                    accepted_at[k] += k < outcome.accepted
+            events.append((lane, lane.emit(window.drafts[: outcome.accepted] + [outcome.token])))
+        self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        emitted = sum(len(event.token_ids) for _, event in events)
+        rows = sum(w.rows for w in windows)
+        report = RoundReport(
+            "drafted", len(lanes), rows, emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
+        )
+        return events, report

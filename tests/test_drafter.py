@@ -140,6 +140,11 @@ def prompt_taps(target, drafter_dir):
     return taps
 
 
+def placeholder_ids(taps):
+    """Token ids to go with tap rows: the drafter only checks that they agree in count."""
+    return [[0] * t.shape[0] for t in taps]
+
+
 def drafter_with_context(path, target, taps, splits=None):
     """A drafter with one lane per taps array, appended in pieces: call j appends rows
     splits[j-1]:splits[j] of every lane (some lanes get none in some calls)."""
@@ -148,7 +153,8 @@ def drafter_with_context(path, target, taps, splits=None):
     lanes = [drafter.open_lane() for _ in taps]
     bounds = splits or [0, max(t.shape[0] for t in taps)]
     for lo, hi in zip(bounds, bounds[1:]):
-        drafter.append(lanes, [t[lo:hi] for t in taps])
+        rows = [t[lo:hi] for t in taps]
+        drafter.append(lanes, rows, placeholder_ids(rows))
     return drafter, lanes
 
 
@@ -180,7 +186,7 @@ def test_matches_reference_with_context_appended_over_several_calls(target, targ
     # A round later: each lane commits a different number of new rows (1..4).
     rng = np.random.default_rng(0)
     new = [mx.array(rng.standard_normal((k, prompt_taps[0].shape[1])).astype(np.float32)) for k in (1, 4, 2, 3)]
-    drafter.append(lanes, new)
+    drafter.append(lanes, new, placeholder_ids(new))
     grown = [mx.concatenate([a, b]) for a, b in zip(prompt_taps, new)]
     assert_matches_reference(drafter.propose(lanes, ANCHORS[::-1]), reference, grown, ANCHORS[::-1], drafter.width)
 
@@ -259,11 +265,11 @@ def test_reused_slot_starts_empty(target, target_dir, drafter_dir, prompt_taps):
     model, cfg = target
     drafter = load_drafter(drafter_dir, model, cfg, max_lanes=2)
     long_lane = drafter.open_lane()
-    drafter.append([long_lane], [prompt_taps[2]])
+    drafter.append([long_lane], [prompt_taps[2]], placeholder_ids([prompt_taps[2]]))
     drafter.close_lane(long_lane)
     lane = drafter.open_lane()
     assert lane.slot == long_lane.slot and lane.length == 0
-    drafter.append([lane], [prompt_taps[0]])  # shorter than what the slot held before
+    drafter.append([lane], [prompt_taps[0]], placeholder_ids([prompt_taps[0]]))  # shorter than what the slot held before
     proposal = drafter.propose([lane], [ANCHORS[0]])
     assert_matches_reference(proposal, Reference(drafter_dir, target_dir), prompt_taps[:1], ANCHORS[:1], drafter.width)
     assert validate_proposal(proposal) == [None]

@@ -68,7 +68,7 @@ def refused(path, target, match):
 
 def propose_for(drafter, lanes_taps, anchors, **kwargs):
     lanes = [drafter.open_lane() for _ in lanes_taps]
-    drafter.append(lanes, lanes_taps)
+    drafter.append(lanes, lanes_taps, [[0] * t.shape[0] for t in lanes_taps])
     proposal = drafter.propose(lanes, anchors, **kwargs)
     mx.eval(*proposal.arrays())
     return proposal

@@ -408,12 +408,15 @@ class DSparkDrafter:
         """Every pool array, to evaluate appended context together with a round's outputs."""
         return [a for pool in self.kv for a in (pool.keys, pool.values)]
 
-    def append(self, lanes: list[LaneSlot], taps: list[mx.array]) -> None:
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]]) -> None:
         """Add newly committed rows to each lane's context: `taps[i]` is
-        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0). Lazy."""
+        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), the
+        target's rows for the committed `tokens[i]`. Lazy."""
         slots, positions, parts = [], [], []
-        for lane, rows in zip(lanes, taps):
+        for lane, rows, ids in zip(lanes, taps, tokens, strict=True):
             count = rows.shape[0]
+            if count != len(ids):  # the lane core let context and tokens drift apart
+                raise ValueError(f"drafter slot {lane.slot}: {count} tap rows for {len(ids)} committed tokens")
             slots += [lane.slot] * count
             positions += range(lane.length, lane.length + count)
             parts.append(rows)

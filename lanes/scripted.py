@@ -1,0 +1,168 @@
+"""A scripted-acceptance drafter, for measurement only: never a default.
+
+Random-weight checkpoints of real shape have the real costs but no real acceptance. This
+wrapper runs the real drafter's forward (so every round pays the drafter's true cost)
+and then proposes the continuation a plain run of the same prompt produced, each draft
+surviving with the chance a `SurvivalProfile` gives for its position (and, optionally,
+the lane's context length); a draft that is meant to fail is replaced by a token the
+target will reject. Its confidences are the profile's chances, so pricing sees a
+calibrated head. The target still verifies every draft, so output stays exact.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SurvivalProfile:
+    """Conditional survival chances s_k (draft k survives given drafts before it did).
+
+    `chances` are per position at short context; `context_points` ((tokens, s), ...),
+    when given, replace them with one chance for every position, interpolated in
+    log2(context) between the points (flat beyond the ends)."""
+
+    chances: tuple[float, ...] = ()
+    context_points: tuple[tuple[int, float], ...] = ()
+
+    def at(self, context: int, width: int) -> list[float]:
+        if not self.context_points:
+            return [self.chances[min(k, len(self.chances) - 1)] for k in range(width)]
+        xs = [math.log2(t) for t, _ in self.context_points]
+        ys = [s for _, s in self.context_points]
+        x = math.log2(max(context, 1))
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            s = ys[0]
+        elif i == len(xs):
+            s = ys[-1]
+        else:
+            s = ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return [s] * width
+
+    def mean_accepted(self, context: int, drafts: int) -> float:
+        """Expected accepted drafts when all `drafts` are verified: sum_k prod_{j<=k} s_j."""
+        total, survive = 0.0, 1.0
+        for s in self.at(context, drafts):
+            survive *= s
+            total += survive
+        return total
+
+
+def published_profile() -> SurvivalProfile:
+    """About 4.8 tokens per round at verify width 10 (3.8 accepted of 9 drafts, plus the
+    target's own token): the acceptance LiquidAI publishes for its DSpark drafters at 4K,
+    with survival falling along the block as trained drafters' does."""
+    return SurvivalProfile(tuple(round(0.865 - 0.02 * k, 3) for k in range(9)))
+
+
+def falling_with_context_profile() -> SurvivalProfile:
+    """Acceptance that falls with context: 0.55 accepted/proposed at 4K down to 0.07 at
+    128K when 9 drafts are verified (published drafters were trained at about 4K)."""
+    return SurvivalProfile(context_points=((4096, 0.88), (131072, 0.39)))
+
+
+@dataclass
+class ScriptedProposal:
+    tokens: mx.array
+    confidences: mx.array
+    logits: mx.array  # one-hot-peaked: the drafter "samples" exactly its proposal
+    real: object  # the real forward's proposal: evaluated with this one, and validated
+
+    def arrays(self) -> list[mx.array]:
+        return [self.tokens, self.confidences, self.logits, *self.real.arrays()]
+
+
+class ScriptedDrafter:
+    """Wraps a drafter; `sequences` are whole plain-run token sequences (prompt +
+    continuation), one per prompt the benchmark sends."""
+
+    def __init__(self, drafter, sequences: Sequence[Sequence[int]], profile: SurvivalProfile, vocab_size: int, seed: int = 0):
+        self.drafter = drafter
+        self.profile = profile
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._sequences = [list(s) for s in sequences]
+        self._history: dict[int, list[int]] = {}
+        self._match: dict[int, int] = {}  # slot -> index of its recorded sequence
+
+    # The protocol the lane core uses, delegated where the real drafter's work is wanted.
+    @property
+    def tap_layers(self):
+        return self.drafter.tap_layers
+
+    @property
+    def width(self) -> int:
+        return self.drafter.width
+
+    @property
+    def config(self):
+        return self.drafter.config
+
+    def state_arrays(self) -> list[mx.array]:
+        return self.drafter.state_arrays()
+
+    def kv_bytes(self) -> int:
+        return self.drafter.kv_bytes()
+
+    def open_lane(self):
+        slot = self.drafter.open_lane()
+        self._history[slot.slot] = []
+        return slot
+
+    def close_lane(self, lane) -> None:
+        self._history.pop(lane.slot, None)
+        self._match.pop(lane.slot, None)
+        self.drafter.close_lane(lane)
+
+    def append(self, lanes, taps, tokens) -> None:
+        self.drafter.append(lanes, taps, tokens)
+        for lane, ids in zip(lanes, tokens):
+            self._history[lane.slot] += ids
+
+    def validate(self, proposal: ScriptedProposal) -> list:
+        """A lane whose real forward went non-finite fails its round as it would unscripted."""
+        return self.drafter.validate(proposal.real)
+
+    def propose(self, lanes, anchors, width=None, pick=None) -> ScriptedProposal:
+        real = self.drafter.propose(lanes, anchors, width, pick)
+        g = real.tokens.shape[1]
+        tokens, confidences = [], []
+        for lane, anchor in zip(lanes, anchors):
+            history = self._history[lane.slot]
+            n = len(history) + 1  # tokens up to and including the anchor
+            truth = self._continuation(lane.slot, history, anchor, g)
+            chances = self.profile.at(n, g)
+            draws = np.random.default_rng([self.seed, n, *history[-3:], anchor]).random(g)
+            survived = np.cumprod(draws < np.array(chances)).astype(bool)
+            tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
+            confidences.append(chances)
+        tokens_arr = mx.array(tokens, dtype=mx.int32)
+        peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0)
+        return ScriptedProposal(tokens_arr, mx.array(confidences, dtype=mx.float32), peaked, real)
+
+    def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
+        """The recorded tokens after history + anchor (token 0 past the recording)."""
+        n = len(history) + 1
+        index = self._match.get(slot)
+        # Committed tokens are the target's own, so a lane stays on the sequence it
+        # matched once; checking the anchor alone keeps long contexts cheap.
+        cached = index is not None and len(self._sequences[index]) > n and self._sequences[index][n - 1] == anchor
+        if not cached:
+            index = next((i for i, seq in enumerate(self._sequences) if self._continues(seq, history, anchor)), None)
+            if index is None:
+                return [0] * g
+            self._match[slot] = index
+        found = self._sequences[index][n : n + g]
+        return found + [0] * (g - len(found))
+
+    @staticmethod
+    def _continues(sequence: list[int], history: list[int], anchor: int) -> bool:
+        n = len(history)
+        return len(sequence) > n + 1 and sequence[n] == anchor and sequence[:n] == history
