@@ -108,6 +108,21 @@ class KVPool:
         self.keys = keys.reshape(-1, self.head_dim)
         self.values = values.reshape(-1, self.head_dim)
 
+    def shrink(self, positions: int) -> None:
+        """Give memory back once no slot needs more than `positions` rows: keep the
+        capacity within one step of what the longest open lane holds."""
+        new_capacity = -(-positions // self.STEP) * self.STEP
+        if new_capacity >= self.capacity:
+            return
+        if new_capacity == 0:
+            self.keys = mx.zeros((0, self.head_dim), dtype=self.dtype)
+            self.values = mx.zeros((0, self.head_dim), dtype=self.dtype)
+        else:
+            self.keys = mx.contiguous(self._shaped(self.keys)[:, :, :new_capacity]).reshape(-1, self.head_dim)
+            self.values = mx.contiguous(self._shaped(self.values)[:, :, :new_capacity]).reshape(-1, self.head_dim)
+        self.capacity = new_capacity
+        mx.eval(self.keys, self.values)
+
     def write(self, slots: list[int], layout: RaggedLayout, keys: mx.array, values: mx.array) -> None:
         """Store `[N, kv_heads, W, D]` rows at their lanes' slots and positions."""
         rows = (
@@ -129,6 +144,35 @@ class KVPool:
 
     def nbytes_per_position(self) -> int:
         return 2 * self.slots * self.kv_heads * self.head_dim * self.dtype.size
+
+
+class SlotAllocator:
+    """Hands out the slots of a model's pools and takes them back. When a lane leaves,
+    the KV pools shrink to what the longest remaining lane needs, so memory returns to
+    its idle level once every lane has gone."""
+
+    def __init__(self, slots: int, pools: list[KVPool], owner: str):
+        self.slots = slots
+        self.pools = pools
+        self.owner = owner
+        self._open: dict[int, LaneSlot] = {}
+
+    def open(self) -> LaneSlot:
+        free = [s for s in range(self.slots) if s not in self._open]
+        if not free:
+            raise RuntimeError(f"all {self.slots} {self.owner} lane slots are in use")
+        lane = LaneSlot(free[0])
+        self._open[lane.slot] = lane
+        return lane
+
+    def close(self, lane: LaneSlot) -> None:
+        if self._open.get(lane.slot) is not lane:
+            raise RuntimeError(f"{self.owner} lane slot {lane.slot} is not open")
+        del self._open[lane.slot]
+        lane.length = 0
+        longest = max((other.length for other in self._open.values()), default=0)
+        for pool in self.pools:
+            pool.shrink(longest)
 
 
 class ConvPool:

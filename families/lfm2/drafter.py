@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LaneSlot, RaggedLayout
+from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, read_tensors
 from .model import Lfm2Model
@@ -372,7 +372,8 @@ class DSparkDrafter:
         self.dtype = model.hidden_norm.weight.dtype
         cfg = self.config
         self.kv = [KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for _ in range(cfg.num_layers)]
-        self._free = list(range(max_lanes))
+        self.slots = SlotAllocator(max_lanes, self.kv, "drafter")
+        mx.eval(self.state_arrays())  # built here, possibly evaluated on the engine thread
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -385,17 +386,10 @@ class DSparkDrafter:
         return self.config.width
 
     def open_lane(self) -> LaneSlot:
-        if not self._free:
-            raise RuntimeError(f"all {self.max_lanes} drafter slots are in use")
-        slot = min(self._free)
-        self._free.remove(slot)
-        return LaneSlot(slot)
+        return self.slots.open()
 
     def close_lane(self, lane: LaneSlot) -> None:
-        if lane.slot in self._free:
-            raise RuntimeError(f"drafter slot {lane.slot} is already free")
-        self._free.append(lane.slot)
-        lane.length = 0
+        self.slots.close(lane)
 
     def kv_bytes(self) -> int:
         return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv)

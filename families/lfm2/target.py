@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator
 from .config import Lfm2Config
 from .model import Lfm2Model
 
@@ -55,7 +55,7 @@ class Lfm2Target:
         cfg = config
         self.kv = {i: KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for i in cfg.attention_layers}
         self.conv = {i: ConvPool(max_lanes, cfg.conv_kernel - 1, cfg.hidden_size, self.dtype) for i in cfg.conv_layers}
-        self._free = list(range(max_lanes))
+        self.slots = SlotAllocator(max_lanes, list(self.kv.values()), "target")
         # Materialise the pools now: an array built lazily on one thread cannot be
         # evaluated on another, and the engine thread may not be this one.
         mx.eval(self.state_arrays())
@@ -69,19 +69,13 @@ class Lfm2Target:
         return self.config.max_position
 
     def open_lane(self) -> LaneSlot:
-        if not self._free:
-            raise RuntimeError(f"all {self.max_lanes} lane slots are in use")
-        slot = min(self._free)
-        self._free.remove(slot)
+        lane = self.slots.open()
         for pool in self.conv.values():
-            pool.clear(slot)
-        return LaneSlot(slot)
+            pool.clear(lane.slot)
+        return lane
 
     def close_lane(self, lane: LaneSlot) -> None:
-        if lane.slot in self._free:
-            raise RuntimeError(f"lane slot {lane.slot} is already free")
-        self._free.append(lane.slot)
-        lane.length = 0
+        self.slots.close(lane)
 
     def kv_bytes(self) -> int:
         return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv.values())

@@ -1,0 +1,176 @@
+"""The engine: concurrent lanes equal their solo runs, cancellation touches no neighbour and
+frees memory, long prompts are read in slices, limits refuse by name."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from families.lfm2 import open_target
+from families.lfm2.drafter import load_drafter
+from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
+from lanes.lane import FinishReason, Request
+from lanes.scripted import ScriptedDrafter, published_profile
+
+PROMPTS = [[1] + [int(t) for t in np.random.default_rng(100 + i).integers(15, 500, 3 + 2 * i)] for i in range(16)]
+LENGTHS = [12 + 3 * (i % 7) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(dense_dir, tmp_path_factory):
+    return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
+
+
+def make_engine(path, drafter_dir=None, sequences=None, lanes=16, **config):
+    loaded = open_target(path, max_lanes=lanes)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
+        drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
+    if drafter is not None and config.get("draft_width") is None:
+        engine.rounds.warm_up(lanes)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def solo(dense_dir):
+    """Each prompt run alone, plain."""
+    return [make_engine(dense_dir, lanes=1).generate([Request(p, n)])[0].token_ids for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def sequences(solo):
+    return [p + s for p, s in zip(PROMPTS, solo)]
+
+
+@pytest.mark.parametrize("mode", ["plain", "drafted", "mixed"])
+def test_sixteen_concurrent_replies_equal_their_solo_runs(mode, dense_dir, drafter_dir, solo):
+    engine = make_engine(dense_dir, None if mode == "plain" else drafter_dir, sequences(solo))
+    requests = [Request(p, n, draft=mode == "drafted" or i % 2 == 0) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    # Half arrive while the first half is already decoding.
+    for request in requests[:8]:
+        engine.submit(request)
+    for _ in range(6):
+        engine.step()
+    for request in requests[8:]:
+        engine.submit(request)
+    engine.run_until_idle()
+    assert [engine.completions[r.id].token_ids for r in requests] == solo
+    if mode != "plain":
+        assert sum(engine.completions[r.id].draft.accepted for r in requests) > 0
+
+
+def test_cancelling_lanes_changes_nothing_else_and_frees_memory(dense_dir, drafter_dir, solo):
+    engine = make_engine(dense_dir, drafter_dir, sequences(solo))
+    mx.clear_cache()
+    idle = mx.get_active_memory()
+    requests = [Request(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    for request in requests:
+        engine.submit(request)
+    for _ in range(3):
+        engine.step()
+    cancelled = {r.id for r in requests if r.id not in engine.completions}
+    cancelled = set(sorted(cancelled)[::3])
+    assert len(cancelled) >= 3
+    for request_id in cancelled:
+        engine.cancel(request_id)
+    engine.step()  # the next round boundary drops them
+    assert all(engine.completions[i].finish_reason is FinishReason.CANCELLED for i in cancelled)
+    engine.run_until_idle()
+    for request, expected in zip(requests, solo):
+        done = engine.completions[request.id]
+        if request.id in cancelled:
+            assert done.finish_reason is FinishReason.CANCELLED
+            assert done.token_ids == expected[: len(done.token_ids)]
+        else:
+            assert done.token_ids == expected
+    mx.clear_cache()
+    assert mx.get_active_memory() <= idle
+    assert engine.target.kv_bytes() == 0 and engine.drafter.kv_bytes() == 0
+
+
+def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
+    chunk = 64
+    engine = make_engine(dense_dir, prefill_chunk=chunk)
+    emitted: dict[str, int] = {}  # events (rounds with output) per request
+
+    def count(event):
+        emitted[event.request_id] = emitted.get(event.request_id, 0) + 1
+
+    decoders = [Request(p, 200, on_event=count) for p in PROMPTS[:15]]  # eos may end a few early
+    for request in decoders:
+        engine.submit(request)
+    while engine.running < 15 or any(emitted.get(r.id, 0) == 0 for r in decoders):
+        engine.step()
+    long_prompt = [1] + [int(t) for t in np.random.default_rng(7).integers(15, 500, 1000)]
+    reader = Request(long_prompt, 4, on_event=count)
+    engine.submit(reader)
+    slices = 0
+    while emitted.get(reader.id, 0) == 0:
+        before = {r.id: emitted[r.id] for r in decoders if r.id not in engine.completions}
+        engine.step()
+        slices += 1
+        # Every decoding lane got its token in the same iteration as one prefill slice.
+        assert all(emitted[i] > count for i, count in before.items())
+    assert slices == -(-len(long_prompt) // chunk)
+
+
+def test_the_queue_bound_refuses_by_name(dense_dir):
+    engine = make_engine(dense_dir, lanes=2, max_waiting=3)
+    for p in PROMPTS[:3]:
+        engine.submit(Request(p, 4))
+    with pytest.raises(QueueFull, match="waiting queue is full \\(3 requests\\)"):
+        engine.submit(Request(PROMPTS[3], 4))
+    engine.step()  # admits two, so two places free up
+    engine.submit(Request(PROMPTS[3], 4))
+    engine.run_until_idle()
+
+
+def test_requests_past_the_limits_are_refused_by_name(dense_dir):
+    engine = make_engine(dense_dir, lanes=1)
+    with pytest.raises(RequestError, match="exceeds the context limit of 4096 tokens"):
+        engine.submit(Request(PROMPTS[0], 4096))
+    with pytest.raises(RequestError, match="the prompt is empty"):
+        engine.submit(Request([], 4))
+
+
+def test_stop_strings_cut_the_text_across_token_boundaries(dense_dir):
+    engine = make_engine(dense_dir, lanes=1)
+    (full,) = engine.generate([Request(PROMPTS[5], 30)])
+    ids = full.token_ids
+    decode = engine.tokenizer.decode
+    # A stop string that starts inside one token and ends inside a later one.
+    stop = decode(ids[:9])[len(decode(ids[:6])) - 1 : len(decode(ids[:8])) + 1]
+    assert stop and stop in full.text
+    (cut,) = engine.generate([Request(PROMPTS[5], 30, stop=(stop,))])
+    assert cut.finish_reason is FinishReason.STOP
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == ids[: len(cut.token_ids)]
+
+
+def test_the_engine_thread_serves_requests_from_other_threads(dense_dir, solo):
+    engine = make_engine(dense_dir)
+    events: queue.Queue = queue.Queue()
+    engine.start()
+    try:
+        requests = [Request(p, n, on_event=events.put) for p, n in zip(PROMPTS[:6], LENGTHS[:6])]
+        senders = [threading.Thread(target=engine.submit, args=(r,)) for r in requests]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        finished: dict[str, list[int]] = {r.id: [] for r in requests}
+        done = 0
+        while done < len(requests):
+            event = events.get(timeout=60)
+            finished[event.request_id] += event.token_ids
+            done += event.finish_reason is not None
+        assert [finished[r.id] for r in requests] == solo[:6]
+        assert engine.alive
+    finally:
+        engine.stop()
