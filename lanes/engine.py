@@ -128,6 +128,10 @@ class Engine:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def prefilling(self) -> int:
+        return sum(lane.state is LaneState.PREFILLING for lane in self._running)
+
     def step(self) -> bool:
         """One iteration; False when there was nothing to do."""
         self._take_inbox()

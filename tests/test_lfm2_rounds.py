@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from families.lfm2 import Lfm2Target, load_model
+from families.lfm2.cache import RaggedLayout
 
 TAPS = (1, 3)
 
@@ -26,11 +27,12 @@ def fresh_target(path, lanes=4):
 def lane_state(target, lane) -> dict[str, np.ndarray]:
     """The committed part of a lane's caches."""
     state = {}
+    committed = RaggedLayout([1], [lane.length - 1])  # spans exactly the committed rows
     for i, pool in target.kv.items():
-        keys, values = pool.read([lane.slot], lane.length)
+        keys, values = pool.read([lane.slot], committed)
         state[f"k{i}"], state[f"v{i}"] = np.array(keys), np.array(values)
     for i, pool in target.conv.items():
-        state[f"conv{i}"] = np.array(pool.read([lane.slot]))
+        state[f"conv{i}"] = np.array(pool.read([lane.slot], committed))
     return state
 
 

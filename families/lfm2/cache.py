@@ -39,6 +39,8 @@ class RaggedLayout:
         self.widths_array = mx.array(self.widths, dtype=mx.int32)
         # Key span the round's attention reads: the furthest row any lane reaches.
         self.span = max(o + self.width for o in self.offsets)
+        # Index arrays and masks every layer of the round shares, built once.
+        self._shared: dict = {}
         if not self.uniform:
             pad_index, unpad_index = [], []
             for i, (start, w) in enumerate(zip(self.row_starts, widths)):
@@ -62,13 +64,24 @@ class RaggedLayout:
         """[N, W] absolute position of every padded row."""
         return self.offsets_array[:, None] + mx.arange(self.width, dtype=mx.int32)[None, :]
 
+    def shared(self, key, build):
+        """`build()`, once per round for each key: layers reuse what the first one built."""
+        if key not in self._shared:
+            self._shared[key] = build()
+        return self._shared[key]
+
+    def slot_index(self, slots: list[int]) -> mx.array:
+        return self.shared(("slots", tuple(slots)), lambda: mx.array(slots, dtype=mx.int32))
+
     def attention_mask(self, keys: int) -> mx.array | None:
         """[N, 1, W, keys] boolean: row j of lane i sees keys at positions <= offset_i + j.
         None where plain causal alignment already says the same."""
         if self.lanes == 1 and self.offsets[0] + self.width == keys:
             return None if self.width == 1 else "causal"
-        visible = mx.arange(keys, dtype=mx.int32)[None, None, :] <= self.positions()[:, :, None]
-        return visible[:, None]
+        return self.shared(
+            ("causal", keys),
+            lambda: (mx.arange(keys, dtype=mx.int32)[None, None, :] <= self.positions()[:, :, None])[:, None],
+        )
 
 
 @dataclass
@@ -125,21 +138,22 @@ class KVPool:
 
     def write(self, slots: list[int], layout: RaggedLayout, keys: mx.array, values: mx.array) -> None:
         """Store `[N, kv_heads, W, D]` rows at their lanes' slots and positions."""
-        rows = (
-            (mx.array(slots, dtype=mx.int32)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
+        rows = layout.shared(
+            ("kv rows", tuple(slots), self.kv_heads, self.capacity),
+            lambda: (layout.slot_index(slots)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
             * self.capacity
-            + layout.positions()[:, None, :]
+            + layout.positions()[:, None, :],
         )
         self.keys[rows] = keys.astype(self.dtype)
         self.values[rows] = values.astype(self.dtype)
 
-    def read(self, slots: list[int], span: int) -> tuple[mx.array, mx.array]:
+    def read(self, slots: list[int], layout: RaggedLayout) -> tuple[mx.array, mx.array]:
         """Keys and values `[N, kv_heads, span, D]` of the given slots."""
         keys, values = self._shaped(self.keys), self._shaped(self.values)
-        first = slots[0]
+        span, first = layout.span, slots[0]
         if slots == list(range(first, first + len(slots))):
             return keys[first : first + len(slots), :, :span], values[first : first + len(slots), :, :span]
-        index = mx.array(slots, dtype=mx.int32)
+        index = layout.slot_index(slots)
         return keys[index, :, :span], values[index, :, :span]
 
     def nbytes_per_position(self) -> int:
@@ -181,14 +195,14 @@ class ConvPool:
     def __init__(self, slots: int, rows: int, hidden: int, dtype):
         self.state = mx.zeros((slots, rows, hidden), dtype=dtype)
 
-    def read(self, slots: list[int]) -> mx.array:
+    def read(self, slots: list[int], layout: RaggedLayout) -> mx.array:
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
             return self.state[first : first + len(slots)]
-        return self.state[mx.array(slots, dtype=mx.int32)]
+        return self.state[layout.slot_index(slots)]
 
-    def write(self, slots: list[int], rows: mx.array) -> None:
-        self.state[mx.array(slots, dtype=mx.int32)] = rows.astype(self.state.dtype)
+    def write(self, slots: list[int], layout: RaggedLayout, rows: mx.array) -> None:
+        self.state[layout.slot_index(slots)] = rows.astype(self.state.dtype)
 
     def clear(self, slot: int) -> None:
         self.state[slot] = mx.zeros(self.state.shape[1:], self.state.dtype)

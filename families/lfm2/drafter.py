@@ -222,7 +222,7 @@ class DSparkAttention(nn.Module):
         # The block's keys go to the pool just past the committed context; they are read
         # this round only and overwritten by the next append.
         pool.write(slots, layout, *self.keys_values(x, offset))
-        keys, values = pool.read(slots, layout.span)
+        keys, values = pool.read(slots, layout)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, g, -1))
 

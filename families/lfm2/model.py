@@ -84,7 +84,7 @@ class Attention(nn.Module):
         offset = layout.offsets[0] if layout.lanes == 1 else layout.offsets_array
         q, k = self.rope(q, offset), self.rope(k, offset)
         pool.write(slots, layout, k, v)
-        keys, values = pool.read(slots, layout.span)
+        keys, values = pool.read(slots, layout)
         mask = layout.attention_mask(layout.span)
         o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         o = o.transpose(0, 2, 1, 3).reshape(layout.lanes, layout.width, -1)
@@ -255,7 +255,7 @@ class Lfm2Model(nn.Module):
             if layer.is_attention:
                 r = layer.self_attn.ragged(x, layout, slots, kv[i])
             else:
-                r, windows[i] = layer.conv.ragged(x, layout, conv[i].read(slots))
+                r, windows[i] = layer.conv.ragged(x, layout, conv[i].read(slots, layout))
             h = h + r
             h = h + layer.feed_forward(layer.ffn_norm(h))
             if i in taps:

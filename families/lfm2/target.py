@@ -144,9 +144,10 @@ class Lfm2Target:
             else:
                 # The state after keeping k rows: window rows k .. k + L-2.
                 pick = (mx.array(kept_sorted, dtype=mx.int32)[:, None] + mx.arange(span, dtype=mx.int32))[:, :, None]
+            slots = [lane.slot for lane in record.lanes]
             for i, window in record.conv_windows.items():
                 state = window[:, -span:] if pick is None else mx.take_along_axis(window, pick, axis=1)
-                self.conv[i].write([lane.slot for lane in record.lanes], state)
+                self.conv[i].write(slots, record.layout, state)
 
     def prefill(self, lane: LaneSlot, tokens: list[int], chunk: int = 512, taps: bool = False):
         """Read a prompt in chunks; returns the last row's logits `[V]` and, with `taps`,

@@ -1,0 +1,141 @@
+"""The inputs of verify-window pricing: what a drafting round and a verify of w rows cost.
+
+    python -m bench.bench_drafting --model DIR --drafter DIR --out bench/results/NAME [--lanes 1,4,16]
+
+For L lanes at a fixed context it times, each the median of `--repeats` runs after a
+warm-up, everything evaluated to completion:
+
+- a plain target step (L rows, one per lane);
+- one drafting round: the drafter appends one committed row per lane to its context,
+  then proposes `block_size` drafts per lane (the batched forward, Markov chain and
+  confidences); its ratio to the plain step is the overhead drafting must pay back
+  (aim: under 30% at 1 lane);
+- a verify forward of w = 1..W rows per lane (uncommitted, so the context stays put),
+  as milliseconds and as a ratio to w = 1.
+
+Writes drafting.json and drafting.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from families.lfm2 import open_target
+from families.lfm2.drafter import load_drafter
+
+
+def timed(build, repeats: int) -> float:
+    """Median seconds of evaluating `build()`'s arrays, after one warm-up."""
+    mx.eval(build())
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        mx.eval(build())
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples)
+
+
+def run(args) -> dict:
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes))
+    target = loaded.target
+    drafter = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=max(args.lanes))
+    target.tap_layers = drafter.tap_layers
+    g = drafter.width
+    rng = np.random.default_rng(0)
+    result = {"model": args.model, "drafter": args.drafter, "context": args.context, "proposals": g,
+              "device": str(mx.default_device()), "lanes": {}}
+    for lanes in args.lanes:
+        slots = [target.open_lane() for _ in range(lanes)]
+        drafter_slots = [drafter.open_lane() for _ in range(lanes)]
+        prompts = [[int(t) for t in rng.integers(20, 4000, args.context)] for _ in range(lanes)]
+        for slot, dslot, prompt in zip(slots, drafter_slots, prompts):
+            _, taps = target.prefill(slot, prompt, chunk=512, taps=True)
+            drafter.append([dslot], [taps], [prompt])
+        mx.eval(drafter.state_arrays())
+        anchors = [p[-1] for p in prompts]
+        one_row = mx.zeros((1, taps.shape[1]), dtype=taps.dtype)
+
+        def plain_step():
+            out = target.forward(slots, [[a] for a in anchors], taps=True)
+            return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
+
+        def drafting_round():
+            # A committed row per lane joins the context (uncounted afterwards: lengths are
+            # restored below), then the batched proposal.
+            drafter.append(drafter_slots, [one_row] * lanes, [[0]] * lanes)
+            proposal = drafter.propose(drafter_slots, anchors, g)
+            for d in drafter_slots:
+                d.length -= 1
+            return [*proposal.arrays(), *drafter.state_arrays()]
+
+        def verify(width):
+            def build():
+                out = target.forward(slots, [[a] * width for a in anchors], taps=True)
+                return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
+            return build
+
+        plain = timed(plain_step, args.repeats)
+        draft = timed(drafting_round, args.repeats)
+        widths = {w: timed(verify(w), args.repeats) for w in range(1, g + 2)}
+        result["lanes"][lanes] = {
+            "plain_step_ms": plain * 1e3,
+            "drafting_round_ms": draft * 1e3,
+            "drafting_over_plain": draft / plain,
+            "verify_ms": {w: s * 1e3 for w, s in widths.items()},
+            "verify_over_one_row": {w: s / widths[1] for w, s in widths.items()},
+        }
+        print(f"lanes {lanes}: plain {plain * 1e3:.2f} ms, drafting round {draft * 1e3:.2f} ms "
+              f"({draft / plain:.0%}), verify " + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in widths.items()), flush=True)
+        for slot in slots:
+            target.close_lane(slot)
+        for slot in drafter_slots:
+            drafter.close_lane(slot)
+    return result
+
+
+def markdown(result: dict) -> str:
+    g = result["proposals"]
+    lines = [
+        f"Device: {result['device']}; context {result['context']} tokens; {g} proposals per drafting round.",
+        "",
+        "| lanes | plain step ms | drafting round ms | drafting / plain |",
+        "|---:|---:|---:|---:|",
+    ]
+    for lanes, r in result["lanes"].items():
+        lines.append(f"| {lanes} | {r['plain_step_ms']:.2f} | {r['drafting_round_ms']:.2f} | {r['drafting_over_plain']:.0%} |")
+    widths = list(next(iter(result["lanes"].values()))["verify_ms"])
+    lines += ["", "Verify forward of w rows per lane, ms (ratio to w = 1):", "",
+              "| lanes | " + " | ".join(f"w={w}" for w in widths) + " |", "|---:|" + "---:|" * len(widths)]
+    for lanes, r in result["lanes"].items():
+        cells = [f"{r['verify_ms'][w]:.2f} ({r['verify_over_one_row'][w]:.2f}x)" for w in widths]
+        lines.append(f"| {lanes} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--lanes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    args = p.parse_args()
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "drafting.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "drafting.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
