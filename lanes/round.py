@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .calibration import ConfidenceCalibrator
+from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
@@ -71,8 +72,7 @@ class RoundRunner:
         self.guard = guard or DraftGuard()
         self.costs = costs or CostTable()
         self.clock = clock
-        self.reports: list[RoundReport] = []
-        self.on_report = None  # optional callable(RoundReport), e.g. metrics
+        self.counters = RoundCounters()
         if drafter is not None:
             if draft_width is not None and not 2 <= draft_width <= min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING):
                 raise ValueError(
@@ -164,8 +164,7 @@ class RoundRunner:
         self.costs.observe(report.rows, len(lanes), context, report.seconds - report.draft_seconds)
         if report.drafting_lanes:
             self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
-        if self.on_report is not None:
-            self.on_report(report)
+        self.counters.record(report)
         return events
 
     def _plain_round(self, lanes: list[Lane], started: float) -> tuple[list, RoundReport]:

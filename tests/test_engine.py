@@ -61,8 +61,12 @@ def test_sixteen_concurrent_replies_equal_their_solo_runs(mode, dense_dir, draft
         engine.submit(request)
     engine.run_until_idle()
     assert [engine.completions[r.id].token_ids for r in requests] == solo
+    counters = engine.rounds.counters.snapshot()
+    assert counters["emitted_tokens"] == sum(len(t) for t in solo) - len(solo)  # first tokens come from prefill
     if mode != "plain":
-        assert sum(engine.completions[r.id].draft.accepted for r in requests) > 0
+        accepted = sum(engine.completions[r.id].draft.accepted for r in requests)
+        assert accepted > 0 and sum(counters["accepted_per_position"]) == accepted
+        assert counters["rounds_by_kind"].get("drafted", 0) > 0 and counters["guard_reasons"]
 
 
 def test_cancelling_lanes_changes_nothing_else_and_frees_memory(dense_dir, drafter_dir, solo):
