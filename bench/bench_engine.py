@@ -90,46 +90,54 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
 
 
 def run(args) -> dict:
-    lanes = max(args.streams + [args.long_streams])
-    loaded = open_target(args.model, dtype=args.dtype, max_lanes=lanes)
-    target = loaded.target
-    real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=lanes)
-    plain = Engine(target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=lanes))
-    rng = np.random.default_rng(0)
-
-    def prompts_of(count: int, length: int) -> list[list[int]]:
-        return [[int(t) for t in rng.integers(20, min(target.vocab_size, 4000), length)] for _ in range(count)]
-
-    def scripted_engine(profile, sequences):
-        drafter = ScriptedDrafter(real, sequences, profile, target.vocab_size)
-        engine = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes))
-        engine.rounds.warm_up(lanes)
-        return engine
-
     result = {"model": args.model, "drafter": args.drafter, "device": str(mx.default_device()),
               "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "streams": {}, "long_context": {}}
-    all_prompts = {n: prompts_of(n, args.prompt_tokens) for n in args.streams}
-    recorded = {n: decode_run(plain, ps, args.gen_tokens)["tokens"] for n, ps in all_prompts.items()}
-    drafted = scripted_engine(published_profile(), [p + t for n in args.streams for p, t in zip(all_prompts[n], recorded[n])])
+    rng = np.random.default_rng(0)
+    streams = Setup(args, max(args.streams))
+    prompts = {n: streams.prompts(rng, n, args.prompt_tokens) for n in args.streams}
+    recorded = {n: decode_run(streams.plain, ps, args.gen_tokens)["tokens"] for n, ps in prompts.items()}
+    drafted = streams.scripted(published_profile(), [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])])
     for n in args.streams:
-        r = compare(plain, drafted, all_prompts[n], args.gen_tokens, args.alternations)
+        r = compare(streams.plain, drafted, prompts[n], args.gen_tokens, args.alternations)
         result["streams"][n] = r
         print(f"streams {n}: plain {r['plain_tok_s']:.1f} tok/s, drafted {r['drafted_tok_s']:.1f} tok/s, "
               f"ratio {r['ratio']:.2f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
+    del streams, drafted
 
     if args.long_contexts:
-        long_prompts = {c: prompts_of(args.long_streams, c) for c in args.long_contexts}
-        long_recorded = {c: decode_run(plain, ps, args.long_gen_tokens)["tokens"] for c, ps in long_prompts.items()}
-        falling = scripted_engine(
-            falling_with_context_profile(),
-            [p + t for c in args.long_contexts for p, t in zip(long_prompts[c], long_recorded[c])],
-        )
+        # Its own target with few lane slots: the KV pools hold every slot at the longest context.
+        long = Setup(args, args.long_streams)
+        prompts = {c: long.prompts(rng, args.long_streams, c) for c in args.long_contexts}
+        recorded = {c: decode_run(long.plain, ps, args.long_gen_tokens)["tokens"] for c, ps in prompts.items()}
+        falling = long.scripted(falling_with_context_profile(), [p + t for c in args.long_contexts for p, t in zip(prompts[c], recorded[c])])
         for c in args.long_contexts:
-            r = compare(plain, falling, long_prompts[c], args.long_gen_tokens, 1)
+            r = compare(long.plain, falling, prompts[c], args.long_gen_tokens, 1)
             result["long_context"][c] = r
             print(f"context {c}: plain {r['plain_tok_s']:.1f} tok/s, guarded drafting {r['drafted_tok_s']:.1f} tok/s, "
                   f"ratio {r['ratio']:.2f}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
     return result
+
+
+class Setup:
+    """A target with `lanes` slots, its real drafter, and a plain engine over them."""
+
+    def __init__(self, args, lanes: int):
+        self.lanes = lanes
+        self.loaded = open_target(args.model, dtype=args.dtype, max_lanes=lanes)
+        target = self.loaded.target
+        self.real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=lanes)
+        self.plain = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, None, EngineConfig(max_streams=lanes))
+
+    def prompts(self, rng, count: int, length: int) -> list[list[int]]:
+        high = min(self.loaded.target.vocab_size, 4000)
+        return [[int(t) for t in rng.integers(20, high, length)] for _ in range(count)]
+
+    def scripted(self, profile, sequences) -> Engine:
+        target = self.loaded.target
+        drafter = ScriptedDrafter(self.real, sequences, profile, target.vocab_size)
+        engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter, EngineConfig(max_streams=self.lanes))
+        engine.rounds.warm_up(self.lanes)
+        return engine
 
 
 def markdown(result: dict) -> str:

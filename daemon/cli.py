@@ -18,6 +18,7 @@ import time
 from families.lfm2 import CheckpointError, open_target
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
+from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
@@ -123,22 +124,40 @@ def run_generate(args) -> int:
 
 
 def add_make_tiny(sub) -> None:
-    p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in the real on-disk format")
-    p.add_argument("--kind", required=True, choices=["lfm2", "lfm2_moe"])
+    p = sub.add_parser("make-tiny", help="write a random checkpoint in the real on-disk format (tiny by default)")
+    p.add_argument("--kind", required=True, choices=["lfm2", "lfm2_moe", "dspark"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", help="dspark: the target checkpoint the drafter pairs with")
     defaults = TinyShape()
-    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "experts", "experts_per_token", "expert_ffn", "dense_layers", "max_position"):
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    p.add_argument("--rope-theta", type=float, default=defaults.rope_theta)
+    for name in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "experts", "experts_per_token", "expert_ffn",
+                 "dense_layers", "max_position"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, help=f"(targets: default {getattr(defaults, name)})")
+    p.add_argument("--rope-theta", type=float)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     p.add_argument("--expert-layout", choices=["per-expert", "fused"], default="per-expert")
+    drafter = p.add_argument_group("dspark drafters (--layers, --heads, --kv-heads, --rope-theta apply too)")
+    drafter.add_argument("--block-size", type=int, default=4)
+    drafter.add_argument("--taps", help="target layer ids, comma-separated (default: three spread below the last)")
+    drafter.add_argument("--rank", type=int, default=64, help="Markov head rank")
+    drafter.add_argument("--head-dim", type=int, default=16)
+    drafter.add_argument("--intermediate", type=int, default=128)
     p.set_defaults(run=run_make_tiny)
 
 
 def run_make_tiny(args) -> int:
-    fields = {f: getattr(args, f) for f in TinyShape.__dataclass_fields__ if hasattr(args, f)}
-    out = make_tiny_target(args.out, args.kind, args.seed, TinyShape(**fields), args.dtype, args.expert_layout)
+    given = {f: getattr(args, f) for f in TinyShape.__dataclass_fields__ if getattr(args, f, None) is not None}
+    if args.kind == "dspark":
+        if args.target is None:
+            raise UsageError("make-tiny --kind dspark needs --target DIR (the target it drafts for)")
+        out = make_tiny_drafter(
+            args.out, args.target, args.seed, layers=given.get("layers", 2), block_size=args.block_size,
+            taps=[int(t) for t in args.taps.split(",")] if args.taps else None, rank=args.rank,
+            heads=given.get("heads", 4), kv_heads=given.get("kv_heads", 2), head_dim=args.head_dim,
+            intermediate=args.intermediate, rope_theta=given.get("rope_theta", 1e4), dtype=args.dtype,
+        )
+    else:
+        out = make_tiny_target(args.out, args.kind, args.seed, TinyShape(**given), args.dtype, args.expert_layout)
     print(out)
     return 0
 

@@ -110,10 +110,13 @@ class KVPool:
         return flat.reshape(self.slots, self.kv_heads, self.capacity, self.head_dim)
 
     def reserve(self, positions: int) -> None:
-        """Grow (in steps, copying once) so every slot can hold `positions` rows."""
+        """Grow so every slot can hold `positions` rows. Growth is geometric (by a
+        quarter at least), so reading a long prompt copies the pool a bounded number
+        of times instead of once per step."""
         if positions <= self.capacity:
             return
-        new_capacity = -(-positions // self.STEP) * self.STEP
+        wanted = max(positions, self.capacity + self.capacity // 4)
+        new_capacity = -(-wanted // self.STEP) * self.STEP
         grow = mx.zeros((self.slots, self.kv_heads, new_capacity - self.capacity, self.head_dim), self.dtype)
         keys = mx.concatenate([self._shaped(self.keys), grow], axis=2) if self.capacity else grow
         values = mx.concatenate([self._shaped(self.values), grow], axis=2) if self.capacity else grow
