@@ -1,0 +1,145 @@
+"""Regenerating training text with the trained target, for its drafter.
+
+A drafter proposes what the target will say next, so it learns best from text the
+target itself wrote: prompts are windows of the corpus (train prompts for the train
+set, held-out prompts for the eval set), a share of them ending just after a chat
+example's `<|im_start|>assistant\n` so that chat replies are among what it learns, and
+the target continues each one, greedily or by sampling at a temperature (batches
+alternate over `--temperatures`, so the drafter sees both the loops of greedy decoding
+and the spread of sampling). The drafter trainer then anchors its blocks only in the
+generated part of each row, with the prompt as context.
+
+Decoding runs through the serving target (`Lfm2Target`: slot caches, one forward per
+step for every row of a batch), so the text is exactly what serving would produce.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tokenizers import Tokenizer
+
+from ..loader import load_model
+from ..target import Lfm2Target
+from .corpus import token_dtype
+from .loop import Budget, load_tokens, log, random_windows
+
+META = "generated.json"
+
+
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+def reply_starts(tokens: np.ndarray, header: list[int]) -> np.ndarray:
+    """Every position just after an assistant header in the token array."""
+    starts = np.flatnonzero(tokens[: tokens.size - len(header)] == header[0])
+    match = np.all([tokens[starts + j] == h for j, h in enumerate(header)], axis=0)
+    return starts[match] + len(header)
+
+
+class Prompts:
+    """Fixed-length prompt windows of one part: a `chat_share` of them end where a chat
+    reply begins, the rest lie anywhere."""
+
+    def __init__(self, tokens: np.ndarray, header: list[int], length: int, chat_share: float):
+        self.tokens, self.length, self.chat_share = tokens, length, chat_share
+        ends = reply_starts(tokens, header)
+        self.reply_starts = ends[ends >= length]
+
+    def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        chats = rng.binomial(count, self.chat_share) if self.reply_starts.size else 0
+        ends = rng.choice(self.reply_starts, size=chats)
+        chat = [self.tokens[e - self.length : e].astype(np.int32) for e in ends]
+        plain = random_windows(self.tokens, rng, count - chats, self.length)
+        return np.concatenate([np.stack(chat), plain]) if chat else plain
+
+
+def pick(logits: mx.array, temperature: float) -> mx.array:
+    if temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(logits.astype(mx.float32) / temperature)
+
+
+def continue_prompts(target: Lfm2Target, prompts: np.ndarray, new_tokens: int, temperature: float) -> np.ndarray:
+    """Each prompt row [B, P] followed by `new_tokens` of the target's own: [B, P + new]."""
+    lanes = [target.open_lane() for _ in range(len(prompts))]
+    try:
+        out = target.forward(lanes, prompts.tolist(), logits="last")
+        target.commit(out, [prompts.shape[1]] * len(lanes))
+        produced = []
+        for step in range(new_tokens):
+            chosen = pick(out.logits, temperature)
+            mx.eval(chosen, *target.state_arrays())
+            produced.append(chosen.tolist())
+            if step + 1 < new_tokens:
+                out = target.forward(lanes, [[t] for t in produced[-1]], logits="last")
+                target.commit(out, [1] * len(lanes))
+    finally:
+        for lane in lanes:
+            target.close_lane(lane)
+    return np.concatenate([prompts, np.array(produced, dtype=prompts.dtype).T], axis=1)
+
+
+def generate_part(target: Lfm2Target, prompts: Prompts, rng: np.random.Generator, sequences: int, batch: int,
+                  new_tokens: int, temperatures: list[float], budget: Budget, name: str) -> np.ndarray:
+    """Up to `sequences` rows (fewer when the budget runs out), batch after batch."""
+    rows, started = [], time.perf_counter()
+    while sum(len(r) for r in rows) < sequences and not budget.spent():
+        count = min(batch, sequences - sum(len(r) for r in rows))
+        temperature = temperatures[len(rows) % len(temperatures)]
+        rows.append(continue_prompts(target, prompts.draw(rng, count), new_tokens, temperature))
+        done = sum(len(r) for r in rows)
+        seconds = time.perf_counter() - started
+        log(f"{name}: {done}/{sequences} rows (temperature {temperature}) | {done * new_tokens / seconds:,.0f} generated tok/s")
+    return np.concatenate(rows)
+
+
+def generate(target_dir: str | Path, data: str | Path, out: str | Path, sequences: int, eval_sequences: int, batch: int,
+             prompt_tokens: int, new_tokens: int, temperatures: list[float], chat_share: float, minutes: float,
+             dtype: str | None, seed: int) -> Path:
+    """Write `train.npy` and `eval.npy` (rows of prompt + continuation) and generated.json."""
+    budget = Budget(minutes)
+    model, config = load_model(target_dir, dtype=dtype)
+    target = Lfm2Target(model, config, max_lanes=batch)
+    header = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).encode(ASSISTANT_HEADER, add_special_tokens=False).ids
+    rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype_np = token_dtype(config.vocab_size)
+    settings = dict(batch=batch, new_tokens=new_tokens, temperatures=temperatures, budget=budget)
+    prompts = {part: Prompts(load_tokens(data, part), header, prompt_tokens, chat_share) for part in ("train", "eval")}
+    # The eval rows first: they are few, and a run cut short still leaves a usable set.
+    held_out = generate_part(target, prompts["eval"], rng, eval_sequences, name="eval", **settings)
+    train = generate_part(target, prompts["train"], rng, sequences, name="train", **settings)
+    for part, rows in (("train", train), ("eval", held_out)):
+        np.save(out / f"{part}.npy", rows.astype(dtype_np))
+    meta = {"target": str(target_dir), "data": str(data), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+            "temperatures": temperatures, "chat_share": chat_share, "train_rows": len(train), "eval_rows": len(held_out)}
+    (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"generated {len(train)} train and {len(held_out)} eval rows of {prompt_tokens}+{new_tokens} tokens -> {out}")
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="regenerate drafter training text with the trained target", description=__doc__)
+    p.add_argument("--target", required=True, help="the trained target's HF directory")
+    p.add_argument("--data", required=True, help="the corpus step's directory (prompts come from it)")
+    p.add_argument("--out", required=True, help="directory to write (give it to the drafter trainer as --data)")
+    p.add_argument("--sequences", type=int, default=32768, help="train rows (default 32768)")
+    p.add_argument("--eval-sequences", type=int, default=256, help="eval rows (default 256)")
+    p.add_argument("--batch", type=int, default=1024, help="rows decoded together (default 1024)")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--temperatures", default="0,0.8", help="comma-separated; batches alternate over them (0: greedy)")
+    p.add_argument("--chat-share", type=float, default=0.5, help="share of prompts that end where a chat reply begins (default 0.5)")
+    p.add_argument("--minutes", type=float, default=5.0, help="stop early and write what is done when spent")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the target (default: as stored)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=lambda a: generate(
+        a.target, a.data, a.out, a.sequences, a.eval_sequences, a.batch, a.prompt_tokens, a.new_tokens,
+        [float(t) for t in a.temperatures.split(",")], a.chat_share, a.minutes, a.dtype, a.seed))
