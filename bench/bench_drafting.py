@@ -46,7 +46,6 @@ def run(args) -> dict:
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes))
     target = loaded.target
     drafter = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=max(args.lanes))
-    target.tap_layers = drafter.tap_layers
     g = drafter.width
     rng = np.random.default_rng(0)
     result = {"model": args.model, "drafter": args.drafter, "context": args.context, "proposals": g,
@@ -56,14 +55,14 @@ def run(args) -> dict:
         drafter_slots = [drafter.open_lane() for _ in range(lanes)]
         prompts = [[int(t) for t in rng.integers(20, 4000, args.context)] for _ in range(lanes)]
         for slot, dslot, prompt in zip(slots, drafter_slots, prompts):
-            _, taps = target.prefill(slot, prompt, chunk=512, taps=True)
+            _, taps = target.prefill(slot, prompt, chunk=512, taps=drafter.tap_layers)
             drafter.append([dslot], [taps], [prompt])
         mx.eval(drafter.state_arrays())
         anchors = [p[-1] for p in prompts]
         one_row = mx.zeros((1, taps.shape[1]), dtype=taps.dtype)
 
         def plain_step():
-            out = target.forward(slots, [[a] for a in anchors], taps=True)
+            out = target.forward(slots, [[a] for a in anchors], taps=drafter.tap_layers)
             return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
 
         def drafting_round():
@@ -77,7 +76,7 @@ def run(args) -> dict:
 
         def verify(width):
             def build():
-                out = target.forward(slots, [[a] * width for a in anchors], taps=True)
+                out = target.forward(slots, [[a] * width for a in anchors], taps=drafter.tap_layers)
                 return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
             return build
 

@@ -144,6 +144,8 @@ class Engine:
         if decoding:
             for lane, event in self.rounds.run(decoding):
                 self._publish(lane, event)
+        else:
+            self.rounds.idle()
         self._retire()
         return bool(self._running or self._waiting or not self._inbox.empty())
 

@@ -44,6 +44,20 @@ def choose_tokens(logits: mx.array, params: list[SamplingParams], histories: lis
 
 
 @dataclass
+class PlainDispatch:
+    """A plain round launched on the device whose tokens the host has not read yet."""
+
+    lanes: list[Lane]
+    out: object  # the target's RoundOutput
+    tokens: mx.array  # lazy [N] choices
+    anchors: list[int] | None  # host ids of the rows fed (known once the round before lands)
+    started: float
+    pipelined: bool
+    decision: GuardDecision | None = None
+    context: int = 0
+
+
+@dataclass
 class RoundReport:
     """What one round did, for metrics and logs."""
 
@@ -73,6 +87,8 @@ class RoundRunner:
         self.costs = costs or CostTable()
         self.clock = clock
         self.counters = RoundCounters()
+        self._inflight: PlainDispatch | None = None
+        self._last_landing = 0.0
         if drafter is not None:
             if draft_width is not None and not 2 <= draft_width <= min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING):
                 raise ValueError(
@@ -81,7 +97,6 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.calibrator = ConfidenceCalibrator(self.proposals)
-            target.tap_layers = drafter.tap_layers
 
     def warm_up(self, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
         """Seed the cost table with a short profile: target forwards of L lanes x w rows
@@ -90,7 +105,7 @@ class RoundRunner:
         widths = sorted({1, 2, 4, self.proposals + 1}) if self.drafter is not None else [1]
         prompt = [1 + (i % (self.target.vocab_size - 1)) for i in range(context)]
         slots = [self.target.open_lane() for _ in range(counts[-1])]
-        out = self.target.forward(slots, [prompt] * len(slots), logits="last", taps=self.drafter is not None)
+        out = self.target.forward(slots, [prompt] * len(slots), logits="last", taps=self._taps(self.drafter is not None))
         self.target.commit(out, [context] * len(slots))
         drafter_slots = []
         if self.drafter is not None:
@@ -123,11 +138,15 @@ class RoundRunner:
         mx.eval(build())
         return self.clock() - started
 
+    def _taps(self, wanted: bool) -> tuple[int, ...]:
+        """The target layers to tap: the drafter's, when a lane in the forward drafts."""
+        return self.drafter.tap_layers if wanted else ()
+
     # ---- prefill -----------------------------------------------------------------
 
     def prefill(self, lane: Lane, chunk: list[int]) -> mx.array:
         """Read one chunk of a lane's prompt; returns the chunk's last-row logits."""
-        logits, taps = self.target.prefill(lane.target_slot, chunk, chunk=len(chunk), taps=lane.drafter_slot is not None)
+        logits, taps = self.target.prefill(lane.target_slot, chunk, chunk=len(chunk), taps=self._taps(lane.drafter_slot is not None))
         if taps is not None:
             lane.pending_taps.append(taps)
             lane.pending_tokens += chunk
@@ -144,7 +163,6 @@ class RoundRunner:
     # ---- rounds --------------------------------------------------------------------
 
     def run(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
-        started = self.clock()
         context = max(lane.context for lane in lanes)
         eligible = [lane for lane in lanes if lane.drafter_slot is not None and lane.remaining > 1]
         decision = None
@@ -152,39 +170,106 @@ class RoundRunner:
             decision = self.guard.decide(len(lanes), context)
             if not decision.draft:
                 eligible = []
-        if eligible:
-            events, report = self._drafted_round(lanes, eligible, started)
-        else:
-            events, report = self._plain_round(lanes, started)
+        if not eligible:
+            return self._plain(lanes, decision, context)
+        # Drafting needs every lane's tokens on the host: land the round in flight first.
+        events = self._land_inflight()
+        lanes = [lane for lane in lanes if not lane.finished]
+        drafting = [lane for lane in eligible if not lane.finished]
+        if drafting:
+            drafted, report = self._drafted_round(lanes, drafting, self.clock())
+            self._account(report, decision, context)
+            events += drafted
+        return events
+
+    def idle(self) -> None:
+        """No lane decodes any more: drop a round still in flight (its lanes all ended)."""
+        self._inflight = None
+
+    def _account(self, report: RoundReport, decision: GuardDecision | None, context: int) -> None:
         report.decision = decision
         if decision is not None:
             self.guard.record(decision, report.seconds, report.emitted)
             if decision.probe:
                 report.kind = "probe"
-        self.costs.observe(report.rows, len(lanes), context, report.seconds - report.draft_seconds)
+        self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
         if report.drafting_lanes:
             self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
         self.counters.record(report)
+
+    # ---- plain rounds, pipelined -----------------------------------------------------
+    #
+    # A plain round is dispatched (evaluated asynchronously) before the previous one is
+    # read back: its input is the previous round's choices as a lazy array, so building
+    # and launching round t+1 overlaps the device running round t. Tokens are emitted
+    # one round later; a lane that ends in round t has one wasted row in round t+1,
+    # which is dropped with its caches.
+
+    def _plain(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
+        previous = self._inflight
+        if previous is not None and previous.lanes == lanes and all(self._pipelinable(lane) for lane in lanes):
+            following = self._dispatch(lanes, previous.tokens, lag=1)
+            events, landed = self._land(previous)
+            following.anchors = landed
+        else:
+            events = self._land_inflight()
+            live = [lane for lane in lanes if not lane.finished]
+            following = self._dispatch(live, [lane.anchor for lane in live], lag=0) if live else None
+        if following is not None and all(lane.finished for lane in following.lanes):
+            following = None  # every lane ended as the round before landed
+        if following is not None:
+            following.decision, following.context = decision, context
+        self._inflight = following
         return events
 
-    def _plain_round(self, lanes: list[Lane], started: float) -> tuple[list, RoundReport]:
+    @staticmethod
+    def _pipelinable(lane: Lane) -> bool:
+        # One row ahead must stay within the lane's limits, and a repetition penalty
+        # needs the previous token on the host.
+        return lane.remaining > 1 and lane.request.sampling.repetition_penalty == 1.0
+
+    def _dispatch(self, lanes: list[Lane], anchors, lag: int) -> PlainDispatch:
+        """Build and launch a plain round; `anchors` are host ids, or (lag 1) the lazy
+        choices of the round before, whose tokens the host has not read yet."""
+        started = self.clock()
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
-        out = self.target.forward([lane.target_slot for lane in lanes], [[lane.anchor] for lane in lanes], taps=want_taps)
-        uniforms = [lane_uniform(lane.seed, lane.position + 1, SAMPLE) for lane in lanes]
+        fed = anchors if lag else [[a] for a in anchors]
+        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self._taps(want_taps))
+        uniforms = [lane_uniform(lane.seed, lane.position + 1 + lag, SAMPLE) for lane in lanes]
         histories = [lane.request.prompt + lane.generated for lane in lanes]
         tokens = choose_tokens(out.logits, [lane.request.sampling for lane in lanes], histories, uniforms)
         self.target.commit(out, [1] * len(lanes))
-        mx.eval(tokens, *self.target.state_arrays())
+        mx.async_eval(tokens, *self.target.state_arrays())
+        return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag))
+
+    def _land_inflight(self) -> list:
+        if self._inflight is None:
+            return []
+        events, _ = self._land(self._inflight)
+        self._inflight = None
+        return events
+
+    def _land(self, dispatch: PlainDispatch) -> tuple[list, list[int]]:
+        """Read a dispatched round's tokens, emit them, account for the round."""
+        tokens = dispatch.tokens.tolist()
         events = []
-        for i, (lane, token) in enumerate(zip(lanes, tokens.tolist())):
+        for i, (lane, token) in enumerate(zip(dispatch.lanes, tokens)):
+            if lane.finished:  # it ended in the round before; this row was a wasted step
+                continue
             if lane.drafter_slot is not None:
-                lane.pending_taps.append(out.taps[i : i + 1])
-                lane.pending_tokens.append(lane.anchor)
+                lane.pending_taps.append(dispatch.out.taps[i : i + 1])
+                lane.pending_tokens.append(dispatch.anchors[i])
             lane.stats.rounds += 1
             events.append((lane, lane.emit([token])))
-        self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        self._fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        now = self.clock()
+        # Pipelined rounds overlap: a round's time is the interval between landings.
+        seconds = now - (max(self._last_landing, dispatch.started) if dispatch.pipelined else dispatch.started)
+        self._last_landing = now
         emitted = sum(len(event.token_ids) for _, event in events)
-        return events, RoundReport("plain", len(lanes), len(lanes), emitted, self.clock() - started)
+        n = len(dispatch.lanes)
+        self._account(RoundReport("plain", n, n, emitted, seconds), dispatch.decision, dispatch.context)
+        return events, tokens
 
     def _fold_pending(self, lanes: list[Lane], limit: int = 0) -> None:
         """Move lanes' pending taps into the drafter's context (those holding more than
@@ -249,7 +334,7 @@ class RoundRunner:
         out = self.target.forward(
             [lane.target_slot for lane in lanes],
             [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)],
-            taps=True,
+            taps=self.drafter.tap_layers,
         )
         outcomes = verify(out.logits, out.row_starts, windows, proposal.logits)
 

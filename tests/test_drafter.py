@@ -132,10 +132,10 @@ def prompt_taps(target, drafter_dir):
     """Every prompt row's taps from the real target, as the lane core gets them from prefill."""
     model, cfg = target
     runner = Lfm2Target(model, cfg, max_lanes=len(PROMPTS))
-    runner.tap_layers = load_drafter(drafter_dir, model, cfg).tap_layers
+    tap_layers = load_drafter(drafter_dir, model, cfg).tap_layers
     taps = []
     for prompt in PROMPTS:
-        _, rows = runner.prefill(runner.open_lane(), prompt, chunk=5, taps=True)
+        _, rows = runner.prefill(runner.open_lane(), prompt, chunk=5, taps=tap_layers)
         taps.append(rows)
     return taps
 

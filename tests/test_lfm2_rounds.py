@@ -20,7 +20,6 @@ def tokens(seed: int, n: int) -> list[int]:
 def fresh_target(path, lanes=4):
     model, config = load_model(path)
     target = Lfm2Target(model, config, max_lanes=lanes)
-    target.tap_layers = TAPS
     return target
 
 
@@ -50,7 +49,7 @@ def test_ragged_round_equals_each_lane_alone(checkpoint, request):
         shared.prefill(lane, prompt)
     # Lanes given out of slot order exercise the reordering as well.
     order = [2, 0, 3, 1]
-    out = shared.forward([lanes[i] for i in order], [feeds[i] for i in order], taps=True)
+    out = shared.forward([lanes[i] for i in order], [feeds[i] for i in order], taps=TAPS)
     shared.commit(out, [rows[i] for i in order])
     mx.eval(out.logits, out.taps)
 
@@ -58,7 +57,7 @@ def test_ragged_round_equals_each_lane_alone(checkpoint, request):
         alone = fresh_target(path, lanes=1)
         lane = alone.open_lane()
         alone.prefill(lane, prompts[i])
-        solo = alone.forward([lane], [feeds[i]], taps=True)
+        solo = alone.forward([lane], [feeds[i]], taps=TAPS)
         alone.commit(solo, [rows[i]])
         start, width = out.row_starts[position], out.widths[position]
         np.testing.assert_allclose(np.array(out.logits[start : start + width]), np.array(solo.logits), atol=1e-4)
@@ -106,7 +105,7 @@ def test_chunked_prefill_equals_one_shot(checkpoint, request):
     for chunk in (1000, 16, 7):
         target = fresh_target(path, lanes=1)
         lane = target.open_lane()
-        last, taps = target.prefill(lane, prompt, chunk=chunk, taps=True)
+        last, taps = target.prefill(lane, prompt, chunk=chunk, taps=TAPS)
         results.append((np.array(last), np.array(taps), lane_state(target, lane)))
     one_shot = results[0]
     for last, taps, state in results[1:]:

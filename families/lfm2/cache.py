@@ -70,7 +70,12 @@ class RaggedLayout:
             self._shared[key] = build()
         return self._shared[key]
 
-    def slot_index(self, slots: list[int]) -> mx.array:
+    def slot_index(self, slots: list[int]) -> slice | mx.array:
+        """How to index a pool by these slots: a slice when they are contiguous (a view,
+        and an in-place update), else an index array (a gather, a scatter)."""
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return slice(first, first + len(slots))
         return self.shared(("slots", tuple(slots)), lambda: mx.array(slots, dtype=mx.int32))
 
     def attention_mask(self, keys: int) -> mx.array | None:
@@ -143,7 +148,7 @@ class KVPool:
         """Store `[N, kv_heads, W, D]` rows at their lanes' slots and positions."""
         rows = layout.shared(
             ("kv rows", tuple(slots), self.kv_heads, self.capacity),
-            lambda: (layout.slot_index(slots)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
+            lambda: (mx.array(slots, dtype=mx.int32)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
             * self.capacity
             + layout.positions()[:, None, :],
         )
@@ -152,12 +157,8 @@ class KVPool:
 
     def read(self, slots: list[int], layout: RaggedLayout) -> tuple[mx.array, mx.array]:
         """Keys and values `[N, kv_heads, span, D]` of the given slots."""
-        keys, values = self._shaped(self.keys), self._shaped(self.values)
-        span, first = layout.span, slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return keys[first : first + len(slots), :, :span], values[first : first + len(slots), :, :span]
-        index = layout.slot_index(slots)
-        return keys[index, :, :span], values[index, :, :span]
+        index, span = layout.slot_index(slots), layout.span
+        return self._shaped(self.keys)[index, :, :span], self._shaped(self.values)[index, :, :span]
 
     def nbytes_per_position(self) -> int:
         return 2 * self.slots * self.kv_heads * self.head_dim * self.dtype.size
@@ -199,9 +200,6 @@ class ConvPool:
         self.state = mx.zeros((slots, rows, hidden), dtype=dtype)
 
     def read(self, slots: list[int], layout: RaggedLayout) -> mx.array:
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return self.state[first : first + len(slots)]
         return self.state[layout.slot_index(slots)]
 
     def write(self, slots: list[int], layout: RaggedLayout, rows: mx.array) -> None:

@@ -11,6 +11,19 @@ from .target import Lfm2Target
 from .tokenizer import ChatTokenizer
 
 
+DEFAULT_DIR = Path(__file__).parent / "default"
+
+
+def default_target_dir() -> Path:
+    """The embedded default target: a small LFM2 trained by laneserve's own tools."""
+    return DEFAULT_DIR / "target"
+
+
+def default_drafter_dir() -> Path:
+    """The embedded default target's DSpark drafter."""
+    return DEFAULT_DIR / "drafter"
+
+
 @dataclass
 class TargetCheckpoint:
     path: Path

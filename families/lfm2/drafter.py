@@ -377,7 +377,7 @@ class DSparkDrafter:
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        """The target layers whose residuals this drafter reads (set the target's `tap_layers`)."""
+        """The target layers whose residuals this drafter reads (the target forward's `taps`)."""
         return self.config.target_layer_ids
 
     @property

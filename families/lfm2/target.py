@@ -51,7 +51,6 @@ class Lfm2Target:
         self.dtype = model.embed_tokens.weight.dtype if hasattr(model.embed_tokens, "weight") else mx.float16
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized table: use its scales' type
             self.dtype = model.embed_tokens.scales.dtype
-        self.tap_layers: tuple[int, ...] = ()
         cfg = config
         self.kv = {i: KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for i in cfg.attention_layers}
         self.conv = {i: ConvPool(max_lanes, cfg.conv_kernel - 1, cfg.hidden_size, self.dtype) for i in cfg.conv_layers}
@@ -86,11 +85,14 @@ class Lfm2Target:
         tokens: list[list[int]],
         *,
         logits: str = "all",
-        taps: bool = False,
+        taps: tuple[int, ...] = (),
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
-        `logits` is "all" (every row) or "last" (each lane's last row)."""
-        widths = [len(t) for t in tokens]
+        `tokens` may also be a lazy `[N]` array, one row per lane (a plain round fed with
+        the previous round's unread choices). `logits` is "all" (every row) or "last"
+        (each lane's last row); `taps` are the layers whose residuals a drafter reads."""
+        lazy = isinstance(tokens, mx.array)
+        widths = [1] * len(lanes) if lazy else [len(t) for t in tokens]
         offsets = [lane.length for lane in lanes]
         furthest = max(o + w for o, w in zip(offsets, widths))
         if furthest > self.context_limit:
@@ -100,21 +102,21 @@ class Lfm2Target:
         layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order])
         for pool in self.kv.values():
             pool.reserve(layout.span)
-        packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
+        identity = order == sorted(order)
+        if lazy:
+            packed = tokens.astype(mx.int32) if identity else tokens[mx.array(order)].astype(mx.int32)
+        else:
+            packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
         slots = [lanes[i].slot for i in order]
-        tap_layers = self.tap_layers if taps else ()
-        h, tapped, windows = self.model.ragged(packed, layout, slots, self.kv, self.conv, tap_layers)
+        h, tapped, windows = self.model.ragged(packed, layout, slots, self.kv, self.conv, taps)
         # Back to the caller's lane order.
         sorted_starts = dict(zip(order, layout.row_starts))
         row_starts, position = [], 0
         for i in range(len(lanes)):
             row_starts.append(position)
             position += widths[i]
-        caller_rows = mx.array(
-            [sorted_starts[i] + j for i in range(len(lanes)) for j in range(widths[i])], dtype=mx.int32
-        )
-        identity = order == sorted(order)
         if not identity:
+            caller_rows = mx.array([sorted_starts[i] + j for i in range(len(lanes)) for j in range(widths[i])], dtype=mx.int32)
             h = h[caller_rows]
         if logits == "last":
             last = mx.array([s + w - 1 for s, w in zip(row_starts, widths)], dtype=mx.int32)
@@ -149,9 +151,9 @@ class Lfm2Target:
                 state = window[:, -span:] if pick is None else mx.take_along_axis(window, pick, axis=1)
                 self.conv[i].write(slots, record.layout, state)
 
-    def prefill(self, lane: LaneSlot, tokens: list[int], chunk: int = 512, taps: bool = False):
-        """Read a prompt in chunks; returns the last row's logits `[V]` and, with `taps`,
-        every prompt row's taps `[len(tokens), n_taps * H]`."""
+    def prefill(self, lane: LaneSlot, tokens: list[int], chunk: int = 512, taps: tuple[int, ...] = ()):
+        """Read a prompt in chunks; returns the last row's logits `[V]` and, with `taps`
+        (layer ids), every prompt row's residuals after them `[len(tokens), n_taps * H]`."""
         tapped = []
         logits = None
         for start in range(0, len(tokens), chunk):

@@ -1,0 +1,127 @@
+"""The embedded default: does its trained drafter get accepted, and does drafting pay?
+
+    python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9]
+
+On the held-out prompts of bench/default_prompts.json (chat questions on held-out
+dictionary and jargon entries, openings of held-out paragraphs), greedy, one stream at
+a time:
+
+- mean accepted drafts per drafted round at the trained verify width, for the DSpark
+  drafter and for a prompt-lookup n-gram baseline measured the same way (same engine,
+  same width, same verification);
+- decode tok/s: plain, DSpark at the fixed trained width, and DSpark priced with guards
+  (as `laneserve generate` runs it), plain and drafted alternated per prompt.
+
+Every drafted output is checked against the plain one. Writes default.json and
+default.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from bench.prompt_lookup import PromptLookupDrafter
+from families.lfm2 import open_target
+from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
+from families.lfm2.drafter import load_drafter
+from lanes.engine import Engine, EngineConfig
+from lanes.lane import Request
+
+PROMPTS = Path(__file__).parent / "default_prompts.json"
+
+
+def encode(tokenizer, prompt: dict) -> list[int]:
+    if "chat" in prompt:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt["chat"]}])
+    return tokenizer.encode(prompt["text"])
+
+
+def timed(engine: Engine, prompt: list[int], max_tokens: int):
+    started = time.perf_counter()
+    (done,) = engine.generate([Request(prompt, max_tokens)])
+    return done, time.perf_counter() - started
+
+
+def run(args) -> dict:
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
+    target = loaded.target
+    dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
+    width = args.width or dspark.width + 1
+
+    def engine(drafter=None, draft_width=None):
+        e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=draft_width))
+        if drafter is not None and draft_width is None:
+            e.rounds.warm_up(1)
+        return e
+
+    engines = {
+        "plain": engine(),
+        "dspark_fixed": engine(dspark, width),
+        "dspark_priced": engine(dspark),
+        "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
+    }
+    prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
+    for name, e in engines.items():  # warm-up
+        e.generate([Request(prompts[0], 8)])
+    tokens = {name: 0 for name in engines}
+    seconds = {name: 0.0 for name in engines}
+    accepted = {name: [] for name in engines}
+    exact = True
+    for prompt in prompts:
+        plain, _ = timed(engines["plain"], prompt, args.max_tokens)
+        for name, e in engines.items():
+            done, spent = timed(e, prompt, args.max_tokens)
+            exact &= done.token_ids == plain.token_ids
+            tokens[name] += len(done.token_ids)
+            seconds[name] += spent
+            accepted[name] += done.draft.accepted_per_round
+    result = {"device": str(mx.default_device()), "model": str(args.model), "drafter": str(args.drafter),
+              "prompts": len(prompts), "max_tokens": args.max_tokens, "width": width, "exact": exact, "engines": {}}
+    for name in engines:
+        result["engines"][name] = {
+            "tok_s": tokens[name] / seconds[name],
+            "speedup": (tokens[name] / seconds[name]) / (tokens["plain"] / seconds["plain"]),
+            "mean_accepted_per_drafted_round": statistics.mean(accepted[name]) if accepted[name] else 0.0,
+            "drafted_rounds": len(accepted[name]),
+        }
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Device: {result['device']}; {result['prompts']} held-out prompts, greedy, up to {result['max_tokens']} tokens, "
+        f"one stream; verify width {result['width']}; drafted outputs equal plain: {result['exact']}.",
+        "",
+        "| engine | tok/s | vs plain | accepted drafts per drafted round |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, r in result["engines"].items():
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['mean_accepted_per_drafted_round']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_target_dir())
+    p.add_argument("--drafter", default=default_drafter_dir())
+    p.add_argument("--out", required=True)
+    p.add_argument("--width", type=int, help="verify width (default: the drafter's trained block_size + 1)")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    args = p.parse_args()
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "default.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "default.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
