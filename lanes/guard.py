@@ -21,6 +21,10 @@ Per band:
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
   So one lucky probe can flip the choice; the new winner's own rounds then flip it back
   within a few rounds if the probe was luck.
+- Outliers: a round counts at most `outlier_factor` times the mean round time its
+  choice has shown in the band, so one slow round (a kernel compiled or a plan built on
+  the first use of a shape) cannot decide a band on its own. Probe accounting uses the
+  real seconds.
 - Bands keep their evidence, so a lane that arrives in a band where drafting lost starts
   plain.
 
@@ -106,9 +110,10 @@ class _BandEvidence:
 class DraftGuard:
     """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
-    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 2) -> None:
+    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 2, outlier_factor: float = 4.0) -> None:
         """`budget`: the share of a band's seconds that probes may take; `smoothing`: the
-        per-round decay of old evidence; `explore_rounds`: rounds of each choice a new band runs."""
+        per-round decay of old evidence; `explore_rounds`: rounds of each choice a new band
+        runs; `outlier_factor`: the most a round counts, in its choice's mean round times."""
         if not 0.0 < budget < 1.0:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
         if not 0.0 < smoothing <= 1.0:
@@ -118,6 +123,9 @@ class DraftGuard:
         self._budget = budget
         self._keep = 1.0 - smoothing
         self._explore_rounds = explore_rounds
+        if not outlier_factor > 1.0:
+            raise ValueError(f"outlier_factor must be above 1, got {outlier_factor}")
+        self._outlier_factor = outlier_factor
         self._bands: dict[Band, _BandEvidence] = {}
 
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
@@ -157,7 +165,9 @@ class DraftGuard:
         evidence = self._bands.setdefault(decision.band, _BandEvidence())
         evidence.drafted.decay(self._keep)
         evidence.plain.decay(self._keep)
-        (evidence.drafted if decision.draft else evidence.plain).add(round_seconds, emitted_tokens)
+        choice = evidence.drafted if decision.draft else evidence.plain
+        counted = min(round_seconds, self._outlier_factor * choice.mean_round_seconds) if choice.weight > 1e-9 else round_seconds
+        choice.add(counted, emitted_tokens)
         evidence.seconds += round_seconds
         if decision.probe:
             evidence.probe_seconds += round_seconds

@@ -29,6 +29,9 @@ log = logging.getLogger("laneserve.round")
 # memory stays bounded and a later (probe) round finds the context complete.
 PENDING_TAPS_LIMIT = 64
 VERIFY_WIDTH_CEILING = 32
+# Verify rounds round their attention's key span up to a multiple of this (see the
+# target's RaggedLayout): steady shapes from round to round.
+KEY_BUCKET = 256
 
 
 def choose_tokens(logits: mx.array, params: list[SamplingParams], histories: list[list[int]], uniforms: list[float]) -> mx.array:
@@ -116,8 +119,11 @@ class RoundRunner:
         try:
             for lanes in counts:
                 for width in widths:
-                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], width)) for _ in range(repeats))
+                    rows = [width] * lanes
+                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], rows)) for _ in range(repeats))
                     self.costs.seed(lanes * width, lanes, context, seconds)
+                # A ragged verify too, so kernels a drafted round needs exist before it runs.
+                self._time(lambda: self._forward_only(slots[:lanes], [1 + k % widths[-1] for k in range(lanes)]))
                 if self.drafter is not None:
                     propose = lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
                     self.costs.observe_draft(lanes, context, min(self._time(propose) for _ in range(repeats)))
@@ -127,10 +133,12 @@ class RoundRunner:
             for slot in drafter_slots:
                 self.drafter.close_lane(slot)
 
-    def _forward_only(self, slots, width: int) -> list[mx.array]:
-        """A forward that is never committed: the rows it writes past each lane's length
-        are not counted and will be overwritten."""
-        out = self.target.forward(slots, [[1] * width] * len(slots))
+    def _forward_only(self, slots, rows: list[int]) -> list[mx.array]:
+        """A forward of `rows[i]` rows for lane i, shaped as the round that would run it
+        (verify rounds round their key span up) and never committed: the rows it writes
+        past each lane's length are not counted and will be overwritten."""
+        verify = max(rows) > 1
+        out = self.target.forward(slots, [[1] * w for w in rows], key_bucket=KEY_BUCKET if verify else 1)
         return [out.logits, *self.target.state_arrays()]
 
     def _time(self, build) -> float:
@@ -335,6 +343,7 @@ class RoundRunner:
             [lane.target_slot for lane in lanes],
             [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)],
             taps=self.drafter.tap_layers,
+            key_bucket=KEY_BUCKET,
         )
         outcomes = verify(out.logits, out.row_starts, windows, proposal.logits)
 

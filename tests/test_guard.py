@@ -253,3 +253,31 @@ def test_probe_reason_and_record_refusals():
         guard.record(decisions[0], 0.1, -1)
     with pytest.raises(ValueError):
         DraftGuard(budget=0.0)
+
+
+def test_one_slow_round_cannot_decide_a_band():
+    """A kernel compiled on first use can make one round 50x slower than its peers; it
+    counts at most outlier_factor mean rounds, so drafting (which pays) keeps winning."""
+    guard = DraftGuard(budget=0.03)
+    model = SyntheticRounds(**PAYS)
+    rng = np.random.default_rng(9)
+    for _ in range(40):
+        decision = guard.decide(model.lanes, 3000)
+        guard.record(decision, *model.run(decision.draft, rng))
+    decision = guard.decide(model.lanes, 3000)
+    assert decision.draft and not decision.probe
+    seconds, tokens = model.run(True, rng)
+    guard.record(decision, 50 * seconds, tokens)
+    after = guard.decide(model.lanes, 3000)
+    assert after.drafted_tps > after.plain_tps  # drafting still wins (this round may be a probe)
+    # Without the cap the same round would have flipped the band to plain.
+    uncapped = DraftGuard(budget=0.03, outlier_factor=1000.0)
+    rng = np.random.default_rng(9)
+    for _ in range(40):
+        decision = uncapped.decide(model.lanes, 3000)
+        uncapped.record(decision, *model.run(decision.draft, rng))
+    decision = uncapped.decide(model.lanes, 3000)
+    seconds, tokens = model.run(True, rng)
+    uncapped.record(decision, 50 * seconds, tokens)
+    flipped = uncapped.decide(model.lanes, 3000)
+    assert flipped.drafted_tps < flipped.plain_tps

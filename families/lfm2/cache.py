@@ -23,7 +23,7 @@ class RaggedLayout:
     operators never let them reach a real row.
     """
 
-    def __init__(self, widths: list[int], offsets: list[int]):
+    def __init__(self, widths: list[int], offsets: list[int], key_bucket: int = 1):
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
@@ -37,8 +37,11 @@ class RaggedLayout:
             self.row_starts.append(self.row_starts[-1] + w)
         self.offsets_array = mx.array(self.offsets, dtype=mx.int32)
         self.widths_array = mx.array(self.widths, dtype=mx.int32)
-        # Key span the round's attention reads: the furthest row any lane reaches.
-        self.span = max(o + self.width for o in self.offsets)
+        # Key span the round's attention reads: the furthest row any lane reaches,
+        # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
+        # attention shapes steady from round to round, so a backend that builds kernels
+        # or plans per shape builds them once per bucket, not once per round.
+        self.span = -(-max(o + self.width for o in self.offsets) // key_bucket) * key_bucket
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:

@@ -35,6 +35,9 @@ DRAFTER_BITS = (8,)  # the only opt-in quantization of the drafter's linear laye
 QUANT_GROUP = 64
 
 
+# Proposals round their key span up to this many rows (see RaggedLayout).
+KEY_BUCKET = 256
+
 class DraftError(RuntimeError):
     """A lane's round of proposals is unusable (non-finite numbers or an id outside the
     vocabulary); the round fails for that lane only."""
@@ -441,13 +444,14 @@ class DSparkDrafter:
         n = len(lanes)
         lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        layout = RaggedLayout([g] * n, lengths)
+        layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
         for pool in self.kv:
             pool.reserve(layout.span)
         # No causal mask inside the block: each lane sees its context and its whole block;
-        # only keys past its own block (where other lanes' contexts are longer) are hidden.
+        # only keys past its own block (other lanes' longer contexts, the bucket's
+        # rounding) are hidden.
         mask = None
-        if len(set(lengths)) > 1:
+        if layout.span != lengths[0] + g or len(set(lengths)) > 1:
             visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
             mask = visible[:, None, None, :]
         block = mx.array([[a] + [cfg.mask_token_id] * (g - 1) for a in anchors], dtype=mx.int32)

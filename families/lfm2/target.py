@@ -86,11 +86,13 @@ class Lfm2Target:
         *,
         logits: str = "all",
         taps: tuple[int, ...] = (),
+        key_bucket: int = 1,
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
         `tokens` may also be a lazy `[N]` array, one row per lane (a plain round fed with
         the previous round's unread choices). `logits` is "all" (every row) or "last"
-        (each lane's last row); `taps` are the layers whose residuals a drafter reads."""
+        (each lane's last row); `taps` are the layers whose residuals a drafter reads;
+        `key_bucket` rounds the attention's key span up (see RaggedLayout)."""
         lazy = isinstance(tokens, mx.array)
         widths = [1] * len(lanes) if lazy else [len(t) for t in tokens]
         offsets = [lane.length for lane in lanes]
@@ -99,7 +101,7 @@ class Lfm2Target:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
-        layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order])
+        layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order], key_bucket)
         for pool in self.kv.values():
             pool.reserve(layout.span)
         identity = order == sorted(order)
