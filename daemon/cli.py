@@ -15,7 +15,10 @@ import logging
 import sys
 import time
 
+import mlx.core as mx
+
 from families.lfm2 import CheckpointError, open_target
+from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
@@ -37,7 +40,8 @@ def _prompt_ids(text: str) -> list[int]:
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("--model", required=True, help="target checkpoint directory (HF LFM2 / LFM2-MoE format)")
+    p.add_argument("--model", help="target checkpoint directory (HF LFM2 / LFM2-MoE format); default: the embedded "
+                   "small LFM2 and its DSpark drafter, trained by laneserve's own tools")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw prompt text (the tokenizer adds <|startoftext|>)")
     source.add_argument("--chat", help="one user message, rendered with the checkpoint's chat template")
@@ -50,19 +54,32 @@ def add_generate(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast weights (default: as stored)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="cast weights (default: as stored; float32 when MLX runs on the CPU, whose bf16 kernels are slow)")
     add_drafting(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(run=run_generate)
 
 
 def add_drafting(p) -> None:
-    p.add_argument("--draft-model", help="a LiquidAI DSpark drafter directory paired with --model")
+    p.add_argument("--draft-model", help="a LiquidAI DSpark drafter directory paired with --model "
+                   "(without --model, the embedded default's drafter)")
     p.add_argument("--no-draft", action="store_true", help="decode plainly even with a drafter")
     p.add_argument("--draft-width", type=int, help="fixed verify rows per drafted round (anchor + W-1 drafts); "
                    "default: priced each round from the drafter's confidences, with guards deciding whether to draft")
     p.add_argument("--drafter-bits", type=int, help="opt-in: quantize the drafter's linear layers to 8 bits at load "
                    "(MLX affine, group 64); default: the released weights as they are")
+
+
+def resolve_models(args) -> None:
+    """No --model: the embedded default target, drafting with its own drafter. On the CPU,
+    weights run in float32 unless --dtype says otherwise."""
+    if args.model is None:
+        args.model = default_target_dir()
+        if args.draft_model is None:
+            args.draft_model = default_drafter_dir()
+    if args.dtype is None and mx.default_device() == mx.cpu:
+        args.dtype = "float32"
 
 
 def open_drafter(args, loaded):
@@ -83,6 +100,7 @@ def open_drafter(args, loaded):
 
 
 def run_generate(args) -> int:
+    resolve_models(args)
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
     tokenizer = loaded.tokenizer
     if args.prompt_ids is not None:

@@ -1,0 +1,80 @@
+"""The embedded default: its tokenizer, its size, and its drafter's exactness gates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import main
+from families.lfm2 import open_target
+from families.lfm2.checkpoint import DEFAULT_DIR, default_drafter_dir, default_target_dir
+from families.lfm2.drafter import load_drafter
+from families.lfm2.tokenizer import ChatTokenizer
+from lanes.engine import Engine, EngineConfig
+from lanes.lane import Request
+
+HELD_OUT = json.loads((Path(__file__).parents[1] / "bench" / "default_prompts.json").read_text())["prompts"]
+MAX_TOKENS = 32
+
+
+def test_the_default_fits_its_budget():
+    total = sum(f.stat().st_size for f in DEFAULT_DIR.rglob("*") if f.is_file())
+    assert total <= 24 * 1000 * 1000
+
+
+def test_the_shipped_tokenizer_round_trips():
+    tokenizer = ChatTokenizer(default_target_dir())
+    for text in ["Hello, world!", "def f(x):\n    return x ** 2\n", "Naïve café — 東京 ✓", "  spaces\tand\ttabs  "]:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+    rendered = tokenizer.render_chat([{"role": "user", "content": "Define love."}])
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Define love."}])
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered
+    assert ids[0] == tokenizer.token_to_id("<|startoftext|>") and tokenizer.token_to_id("<|im_end|>") == 7
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = ChatTokenizer(default_target_dir())
+    encoded = []
+    for p in HELD_OUT[::4][:8]:
+        if "chat" in p:
+            encoded.append(tokenizer.encode_chat([{"role": "user", "content": p["chat"]}]))
+        else:
+            encoded.append(tokenizer.encode(p["text"]))
+    return encoded
+
+
+def engine(lanes, drafting=True, width=None):
+    loaded = open_target(default_target_dir(), dtype="float32", max_lanes=lanes)
+    drafter = load_drafter(default_drafter_dir(), loaded.target.model, loaded.target.config, dtype="float32", max_lanes=lanes) if drafting else None
+    e = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, draft_width=width))
+    if drafter is not None and width is None:
+        e.rounds.warm_up(lanes)
+    return e
+
+
+@pytest.fixture(scope="module")
+def plain(prompts):
+    return [engine(1, drafting=False).generate([Request(p, MAX_TOKENS)])[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("width", [2, 5, 9, None])
+def test_the_shipped_drafter_is_exact(width, prompts, plain):
+    solo = engine(1, width=width)
+    drafted = [solo.generate([Request(p, MAX_TOKENS)])[0] for p in prompts]
+    assert [d.token_ids for d in drafted] == plain
+    assert sum(d.draft.accepted for d in drafted) > 0  # the trained drafter really is accepted
+    for lanes in (4, 16):
+        shared = engine(lanes, width=width)
+        requests = [Request(p, MAX_TOKENS, draft=i % 3 != 1) for i, p in enumerate((prompts * 2)[:lanes])]
+        assert [d.token_ids for d in shared.generate(requests)] == (plain * 2)[:lanes]
+
+
+def test_generate_without_a_model_answers_in_english(capsys):
+    assert main(["generate", "--chat", "Tell me something.", "--max-tokens", "48", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    words = [w for w in answer["text"].split() if w.isalpha()]
+    assert len(words) >= 3 and answer["finish_reason"] in ("stop", "length")
+    assert answer["draft"]["rounds"] > 0
