@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import mlx.nn as nn
 
 from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator
 from .config import CheckpointError, Lfm2Config, read_json
-from .loader import DTYPES, read_tensors
+from .loader import DTYPES, load_layer_by_layer, read_tensors
 from .model import Lfm2Model
 
 log = logging.getLogger("laneserve.load")
@@ -534,16 +533,9 @@ def load_drafter(
     model = DSparkModel(cfg, target_config.hidden_size)
     tensors = _checked_tensors(model, tensors, target_config.hidden_size)
     cast = DTYPES[dtype] if dtype else None
-    # One layer at a time, each materialised before the next is read.
-    groups: dict[str, list[str]] = {}
-    for name in tensors:
-        m = re.match(r"layers\.(\d+)\.", name)
-        groups.setdefault(m.group(0) if m else name, []).append(name)
-    for names in groups.values():
-        part = [(n, tensors.pop(n)) for n in names]
-        part = [(n, v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v) for n, v in part]
-        model.load_weights(part, strict=False)
-        mx.eval([v for _, v in part])
+    load_layer_by_layer(
+        model, tensors, lambda n, v: v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v
+    )
     if bits is not None:
         nn.quantize(
             model,

@@ -167,8 +167,16 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Lfm2Model, L
             return value.astype(target_dtype)
         return value
 
-    # One layer at a time: each group is read, cast and materialised before the next,
-    # and the lazily loaded sources are dropped as soon as they are consumed.
+    load_layer_by_layer(model, tensors, prepared)
+    model.eval()
+    return model, cfg
+
+
+def load_layer_by_layer(model: nn.Module, tensors: dict[str, mx.array], prepared) -> None:
+    """Load `tensors` (lazy, checked) into `model` one layer at a time: each layer's
+    tensors are read, passed through `prepared(name, value)` (a cast), materialised and
+    their lazily loaded sources dropped before the next layer is read, so the weights
+    are never held twice. Consumes `tensors`."""
     groups: dict[str, list[str]] = {}
     for name in tensors:
         m = re.match(r"layers\.(\d+)\.", name)
@@ -177,5 +185,3 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Lfm2Model, L
         part = [(n, prepared(n, tensors.pop(n))) for n in names]
         model.load_weights(part, strict=False)
         mx.eval([v for _, v in part])
-    model.eval()
-    return model, cfg
