@@ -182,7 +182,7 @@ def run_make_tiny(args) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laneserve", description="Serve LiquidAI LFM2 models on MLX with DSpark drafting.")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG shows every guard decision")
+    p.add_argument("--log-level", default="INFO", help="INFO (default) logs startup facts such as the drafter's precision; DEBUG also every guard decision")
     sub = p.add_subparsers(dest="command", required=True)
     add_generate(sub)
     add_make_tiny(sub)

@@ -292,7 +292,8 @@ class RoundRunner:
         )
         for lane in due:
             lane.pending_taps, lane.pending_tokens = [], []
-        mx.eval(self.drafter.state_arrays())
+        # Launched, not awaited: a host sync here would stall the plain-round pipeline.
+        mx.async_eval(self.drafter.state_arrays())
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         # 1. Draft: bring the drafting lanes' contexts up to date, one batched proposal.
