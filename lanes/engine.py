@@ -139,7 +139,7 @@ class Engine:
         self._admit()
         prefilling = [lane for lane in self._running if lane.state is LaneState.PREFILLING]
         if prefilling:
-            self._prefill_slice(prefilling[0])
+            self._prefill_slice(prefilling)
         decoding = [lane for lane in self._running if lane.state is LaneState.DECODING]
         if decoding:
             for lane, event in self.rounds.run(decoding):
@@ -181,20 +181,34 @@ class Engine:
             lane.state = LaneState.PREFILLING
             self._running.append(lane)
 
-    def _prefill_slice(self, lane: Lane) -> None:
-        prompt = lane.request.prompt
-        chunk = prompt[lane.prefilled : lane.prefilled + self.config.prefill_chunk]
+    def _prefill_slice(self, prefilling: list[Lane]) -> None:
+        """Read at most `prefill_chunk` prompt tokens, oldest lanes first, several lanes'
+        chunks in one forward when their prompts are short."""
+        lanes, chunks, budget = [], [], self.config.prefill_chunk
+        for lane in prefilling:
+            if budget == 0:
+                break
+            chunk = lane.request.prompt[lane.prefilled : lane.prefilled + budget]
+            lanes.append(lane)
+            chunks.append(chunk)
+            budget -= len(chunk)
         try:
-            logits = self.rounds.prefill(lane, chunk)
-        except Exception as e:  # a lane's failure must not take its neighbours down
-            log.exception("prefill failed for %s", lane.id)
-            self._publish(lane, lane.finish(FinishReason.ERROR, f"{type(e).__name__}: {e}"))
+            logits = self.rounds.prefill(lanes, chunks)
+        except Exception as e:  # the failure stays with these lanes; the decoding ones go on
+            log.exception("prefill failed for %s", [lane.id for lane in lanes])
+            for lane in lanes:
+                self._publish(lane, lane.finish(FinishReason.ERROR, f"{type(e).__name__}: {e}"))
             return
-        lane.prefilled += len(chunk)
-        if lane.prefilled == len(prompt):
-            first = self.rounds.first_token(lane, logits)
-            lane.state = LaneState.DECODING
-            self._publish(lane, lane.emit([first]))
+        read = []
+        for i, (lane, chunk) in enumerate(zip(lanes, chunks)):
+            lane.prefilled += len(chunk)
+            if lane.prefilled == len(lane.request.prompt):
+                read.append(i)
+        if read:
+            firsts = self.rounds.first_tokens([lanes[i] for i in read], logits[mx.array(read)])
+            for i, first in zip(read, firsts):
+                lanes[i].state = LaneState.DECODING
+                self._publish(lanes[i], lanes[i].emit([first]))
 
     def _publish(self, lane: Lane, event: LaneEvent) -> None:
         if lane.request.on_event is not None:

@@ -152,21 +152,29 @@ class RoundRunner:
 
     # ---- prefill -----------------------------------------------------------------
 
-    def prefill(self, lane: Lane, chunk: list[int]) -> mx.array:
-        """Read one chunk of a lane's prompt; returns the chunk's last-row logits."""
-        logits, taps = self.target.prefill(lane.target_slot, chunk, chunk=len(chunk), taps=self._taps(lane.drafter_slot is not None))
-        if taps is not None:
-            lane.pending_taps.append(taps)
-            lane.pending_tokens += chunk
-            self._fold_pending([lane], limit=PENDING_TAPS_LIMIT)
-        return logits
+    def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> mx.array:
+        """Read the next chunk of each lane's prompt, all lanes in one forward; returns
+        each chunk's last-row logits `[N, V]`."""
+        drafting = [lane for lane in lanes if lane.drafter_slot is not None]
+        out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self._taps(bool(drafting)))
+        self.target.commit(out, [len(chunk) for chunk in chunks])
+        for lane, chunk, start in zip(lanes, chunks, out.row_starts):
+            if lane.drafter_slot is not None:
+                lane.pending_taps.append(out.taps[start : start + len(chunk)])
+                lane.pending_tokens += chunk
+        mx.eval(out.logits, *self.target.state_arrays())
+        self._fold_pending(drafting, limit=PENDING_TAPS_LIMIT)
+        return out.logits
 
-    def first_token(self, lane: Lane, logits: mx.array) -> int:
-        position = len(lane.request.prompt)
-        token = choose_tokens(
-            logits[None], [lane.request.sampling], [lane.request.prompt], [lane_uniform(lane.seed, position, SAMPLE)]
+    def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[int]:
+        """Each lane's first generated token, from its prompt's last-row logits."""
+        tokens = choose_tokens(
+            logits,
+            [lane.request.sampling for lane in lanes],
+            [lane.request.prompt for lane in lanes],
+            [lane_uniform(lane.seed, len(lane.request.prompt), SAMPLE) for lane in lanes],
         )
-        return int(token.item())
+        return tokens.tolist()
 
     # ---- rounds --------------------------------------------------------------------
 
