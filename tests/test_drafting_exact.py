@@ -86,7 +86,8 @@ def test_sixteen_lanes_mixing_drafted_and_plain(dense_dir, drafter_dir, plain):
         engine = engine_for(dense_dir, drafter_dir, scripted, width, lanes=16)
         done = engine.generate([Request(p, MAX_TOKENS, draft=i % 3 != 0) for i, p in enumerate(prompts)])
         assert [d.token_ids for d in done] == expected, f"width {width}"
-        assert sum(d.draft.accepted for d in done) > 0
+        if width is not None:  # priced windows draft where measured costs say so: machine-dependent
+            assert sum(d.draft.accepted for d in done) > 0
 
 
 def test_unscripted_drafter_is_exact_too(dense_dir, drafter_dir, plain, moe_dir, moe_drafter_dir):

@@ -16,6 +16,7 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.lane import FinishReason, Request
 from lanes.scripted import ScriptedDrafter, published_profile
+from tests.priced import price_without_timing
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(100 + i).integers(15, 500, 3 + 2 * i)] for i in range(16)]
 LENGTHS = [12 + 3 * (i % 7) for i in range(16)]
@@ -26,7 +27,7 @@ def drafter_dir(dense_dir, tmp_path_factory):
     return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
 
 
-def make_engine(path, drafter_dir=None, sequences=None, lanes=16, **config):
+def make_engine(path, drafter_dir=None, sequences=None, lanes=16, timed=True, **config):
     loaded = open_target(path, max_lanes=lanes)
     drafter = None
     if drafter_dir is not None:
@@ -34,7 +35,10 @@ def make_engine(path, drafter_dir=None, sequences=None, lanes=16, **config):
         drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
     engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
     if drafter is not None and config.get("draft_width") is None:
-        engine.rounds.warm_up(lanes)
+        if timed:
+            engine.rounds.warm_up(lanes)
+        else:
+            price_without_timing(engine)
     return engine
 
 
@@ -50,7 +54,7 @@ def sequences(solo):
 
 @pytest.mark.parametrize("mode", ["plain", "drafted", "mixed"])
 def test_sixteen_concurrent_replies_equal_their_solo_runs(mode, dense_dir, drafter_dir, solo):
-    engine = make_engine(dense_dir, None if mode == "plain" else drafter_dir, sequences(solo))
+    engine = make_engine(dense_dir, None if mode == "plain" else drafter_dir, sequences(solo), timed=False)
     requests = [Request(p, n, draft=mode == "drafted" or i % 2 == 0) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
     # Half arrive while the first half is already decoding.
     for request in requests[:8]:
