@@ -67,7 +67,7 @@ def run(args) -> dict:
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
     }
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
-    for name, e in engines.items():  # warm-up
+    for e in engines.values():  # warm-up
         e.generate([Request(prompts[0], 8)])
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
