@@ -2,7 +2,7 @@
 
     python -m bench.bench_engine --model DIR --drafter DIR --out bench/results/NAME
         [--streams 1,4,8,16] [--prompt-tokens 256] [--gen-tokens 128] [--alternations 3]
-        [--long-contexts 4096,16384,65536] [--long-gen-tokens 64]
+        [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
 wrapped in the scripted-acceptance drafter (lanes/scripted.py, measurement only): it
@@ -12,17 +12,27 @@ profile. Part 1 uses LiquidAI's published acceptance (about 4.8 tokens per round
 verify width 10); part 2 a profile that falls with context (0.55 accepted/proposed at
 4K down to 0.07 at 128K), where the guards must stop drafting.
 
+A random target's top two logits are near ties, so on a GPU, where a verify forward of
+several rows per lane rounds differently from a one-row step, its greedy choice flips
+within a few tokens and the scripted drafter, which proposes the recorded continuation,
+loses its track. So by default the target is made decisive, as trained models are: every
+layer's output projection is scaled by `--decisive` (1/32), the residual stream keeps the
+input token's direction and the tied head picks it with a wide margin. Shapes and costs
+are unchanged; `--decisive 1` keeps the weights as drawn.
+
 For each stream count: N distinct prompts; plain and drafted runs alternate
 `--alternations` times; each run's decode phase (from the moment every lane has read
 its prompt until all finish) gives aggregate tokens per second. Drafted windows are
 priced and the guards decide each round, as in serving. Every drafted run's tokens are
-checked against the plain run's. Writes engine.json and engine.md under --out.
+checked against the plain run's. Writes engine.json and engine.md under --out; `--log`
+writes every round and every guard decision (the lane core's debug log) to FILE.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -118,6 +128,22 @@ def run(args) -> dict:
     return result
 
 
+def make_decisive(model, scale: float) -> None:
+    """Scale every layer's output projections (attention, conv, feed-forward) by `scale`."""
+    if scale == 1.0:
+        return
+    for layer in model.layers:
+        mixer = layer.self_attn if layer.is_attention else layer.conv
+        outputs = [mixer.out_proj]
+        ffn = layer.feed_forward
+        outputs.append(ffn.experts.w2 if hasattr(ffn, "experts") else ffn.w2)
+        for linear in outputs:
+            if "scales" in linear:
+                raise SystemExit("--decisive needs an unquantized target; pass --decisive 1")
+            linear.weight = linear.weight * scale
+    mx.eval(model.parameters())
+
+
 class Setup:
     """A target with `lanes` slots, its real drafter, and a plain engine over them."""
 
@@ -125,6 +151,7 @@ class Setup:
         self.lanes = lanes
         self.loaded = open_target(args.model, dtype=args.dtype, max_lanes=lanes)
         target = self.loaded.target
+        make_decisive(target.model, args.decisive)
         self.real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=lanes)
         self.plain = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, None, EngineConfig(max_streams=lanes))
 
@@ -173,7 +200,16 @@ def main() -> None:
     p.add_argument("--long-streams", type=int, default=1)
     p.add_argument("--long-gen-tokens", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--decisive", type=float, default=1 / 32,
+                   help="scale of the target's output projections (1 keeps the drawn weights; see above)")
+    p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
     args = p.parse_args()
+    if args.log:
+        handler = logging.FileHandler(args.log, mode="w")
+        handler.setFormatter(logging.Formatter("%(relativeCreated)d %(name)s %(message)s"))
+        lanes_log = logging.getLogger("laneserve")
+        lanes_log.addHandler(handler)
+        lanes_log.setLevel(logging.DEBUG)
     result = run(args)
     for r in [*result["streams"].values(), *result["long_context"].values()]:
         r.pop("tokens", None)

@@ -212,6 +212,9 @@ class RoundRunner:
         if report.drafting_lanes:
             self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
         self.counters.record(report)
+        log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d",
+                  report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
+                  report.drafting_lanes, context)
 
     # ---- plain rounds, pipelined -----------------------------------------------------
     #
