@@ -57,7 +57,7 @@ def run(args) -> dict:
     def engine(drafter=None, draft_width=None):
         e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=draft_width))
         if drafter is not None and draft_width is None:
-            e.rounds.warm_up(1)
+            e.warm_up()
         return e
 
     engines = {

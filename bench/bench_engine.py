@@ -155,6 +155,7 @@ class Setup:
         make_decisive(target.model, args.decisive)
         self.real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=lanes)
         self.plain = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, None, EngineConfig(max_streams=lanes))
+        self.plain.warm_up()
 
     def prompts(self, rng, count: int, length: int) -> list[list[int]]:
         high = min(self.loaded.target.vocab_size, 4000)
@@ -164,7 +165,7 @@ class Setup:
         target = self.loaded.target
         drafter = ScriptedDrafter(self.real, sequences, profile, target.vocab_size)
         engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter, EngineConfig(max_streams=self.lanes))
-        engine.rounds.warm_up(self.lanes)
+        engine.warm_up()
         return engine
 
 

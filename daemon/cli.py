@@ -119,7 +119,7 @@ def run_generate(args) -> int:
     drafter = open_drafter(args, loaded)
     engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
     if drafter is not None and args.draft_width is None and not args.no_draft:
-        engine.rounds.warm_up(1)
+        engine.warm_up()
     started = time.perf_counter()
     done = engine.generate([Request(prompt, args.max_tokens, sampling, tuple(args.stop), draft=not args.no_draft)])[0]
     seconds = time.perf_counter() - started

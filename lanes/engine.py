@@ -103,6 +103,30 @@ class Engine:
 
     # ---- the engine thread -----------------------------------------------------
 
+    def warm_up(self) -> None:
+        """Prepare to serve; call on the engine thread before the first request.
+
+        First a little synthetic traffic takes every path a round can (batched prefill,
+        pipelined plain rounds, drafted rounds with partial accepts and lanes that do
+        not draft, context folds), at one lane and at `max_streams`, so that what a
+        backend builds on first use (kernels, plans) exists before a guard times it.
+        What that traffic would teach (guard evidence, calibration, round costs,
+        counters) goes to throwaway instances. Then the cost table is seeded by the
+        round runner's short profile."""
+        lanes, vocab = self.config.max_streams, self.target.vocab_size
+        rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
+        prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
+        batches = [
+            [Request(prompt(i), rows, draft=i % 4 != 3) for i in range(lanes)],  # drafted, some lanes plain
+            [Request(prompt(i), rows, draft=False) for i in range(lanes)],  # plain, pipelined
+            [Request(prompt(0), rows)],
+        ]
+        with self.rounds.rehearsal():
+            for batch in batches:
+                for done in self.generate(batch):
+                    del self.completions[done.request_id]
+        self.rounds.warm_up(self.config.max_streams)
+
     def _run(self) -> None:
         while not self._stopping:
             if not self.step():

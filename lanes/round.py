@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -100,6 +101,22 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.calibrator = ConfidenceCalibrator(self.proposals)
+
+    @contextmanager
+    def rehearsal(self):
+        """Rounds run inside draft every round they can, and what they would teach (guard
+        evidence, calibration, costs, counters) goes to throwaway instances."""
+        kept = self.guard, self.costs, self.counters, getattr(self, "calibrator", None), self.draft_width
+        self.guard, self.costs, self.counters = DraftGuard(), CostTable(), RoundCounters()
+        if self.drafter is not None:
+            self.calibrator = ConfidenceCalibrator(self.proposals)
+            self.draft_width = self.proposals + 1
+        try:
+            yield
+        finally:
+            self.guard, self.costs, self.counters, calibrator, self.draft_width = kept
+            if calibrator is not None:
+                self.calibrator = calibrator
 
     def warm_up(self, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
         """Seed the cost table with a short profile: target forwards of L lanes x w rows

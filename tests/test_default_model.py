@@ -51,7 +51,7 @@ def engine(lanes, drafting=True, width=None):
     drafter = load_drafter(default_drafter_dir(), loaded.target.model, loaded.target.config, dtype="float32", max_lanes=lanes) if drafting else None
     e = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, draft_width=width))
     if drafter is not None and width is None:
-        e.rounds.warm_up(lanes)
+        e.warm_up()
     return e
 
 

@@ -46,7 +46,7 @@ def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bit
             drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
     engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, draft_width=width))
     if drafter is not None and width is None:
-        engine.rounds.warm_up(lanes)
+        engine.warm_up()
     return engine
 
 

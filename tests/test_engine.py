@@ -14,6 +14,7 @@ from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
+from lanes.guard import DraftGuard
 from lanes.lane import FinishReason, Request
 from lanes.scripted import ScriptedDrafter, published_profile
 from tests.priced import price_without_timing
@@ -36,7 +37,7 @@ def make_engine(path, drafter_dir=None, sequences=None, lanes=16, timed=True, **
     engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
     if drafter is not None and config.get("draft_width") is None:
         if timed:
-            engine.rounds.warm_up(lanes)
+            engine.warm_up()
         else:
             price_without_timing(engine)
     return engine
@@ -182,3 +183,24 @@ def test_the_engine_thread_serves_requests_from_other_threads(dense_dir, solo):
         assert engine.alive
     finally:
         engine.stop()
+
+
+def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, drafter_dir, solo):
+    engine = make_engine(dense_dir, drafter_dir, sequences(solo), lanes=4, timed=False)
+    engine.rounds.guard = DraftGuard()
+    proposals = []
+    propose = engine.drafter.propose
+    engine.drafter.propose = lambda lanes, *args: proposals.append(len(lanes)) or propose(lanes, *args)
+    before = mx.get_active_memory()
+
+    engine.warm_up()
+
+    assert 1 in proposals and max(proposals) > 1  # drafted rounds at one lane and at several
+    assert engine.rounds.guard.snapshot() == {}
+    assert engine.rounds.counters.snapshot()["rounds_by_kind"] == {}
+    assert engine.completions == {} and engine.running == 0
+    assert engine.rounds.costs.estimate(4, 4, 64) > 0  # seeded by the profile
+    assert mx.get_active_memory() <= before + (1 << 20)  # its lanes gave their caches back
+    # And the engine serves exactly as before.
+    requests = [Request(p, n) for p, n in zip(PROMPTS[:4], LENGTHS[:4])]
+    assert [c.token_ids for c in engine.generate(requests)] == solo[:4]

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, load_layer_by_layer, read_tensors
-from .model import Lfm2Model
+from .model import Lfm2Model, attend
 
 log = logging.getLogger("laneserve.load")
 
@@ -225,7 +225,7 @@ class DSparkAttention(nn.Module):
         # this round only and overwritten by the next append.
         pool.write(slots, layout, *self.keys_values(x, offset))
         keys, values = pool.read(slots, layout)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        o = attend(q, keys, values, self.scale, mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, g, -1))
 
 

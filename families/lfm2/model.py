@@ -15,6 +15,37 @@ import mlx.nn as nn
 from .cache import ConvPool, KVPool, RaggedLayout
 from .config import Lfm2Config
 
+# Queries up to this many rows per lane (decode steps, verify windows, draft blocks) are
+# attended with plain matmuls: the fused kernel of a GPU backend may build a plan for
+# every new shape (cuDNN's take tens of milliseconds), and these shapes change from
+# round to round. Longer queries (prompt chunks) take the fused kernel.
+SMALL_QUERY = 32
+
+
+def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """Grouped-query attention `softmax(q k^T * scale + mask) v`: q `[N, heads, T, D]`,
+    keys and values `[N, kv_heads, S, D]`, mask boolean `[N, 1, T, S]`, "causal" or None."""
+    n, heads, t, d = q.shape
+    if t == 1 or t > SMALL_QUERY or isinstance(mask, str):
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = (q * scale).reshape(n, kv_heads, group * t, d)  # a kv head's query heads, row after row
+    scores = (q @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, group, t, -1)
+    if mask is not None:
+        scores = mx.where(mask[:, :, None], scores, -mx.inf)
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(n, kv_heads, group * t, -1)
+    return (weights @ values).reshape(n, heads, t, d)
+
+
+def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
+    """`[N, L-1+T, H]` -> `[N, T, H]`: row t is `sum_k weight[:, k] * window[t + k]`, MLX's
+    conv1d layout `[H, L, 1]`. Spelled as L multiply-adds, which need no per-shape plan."""
+    taps = weight.shape[1]
+    length = window.shape[1] - taps + 1
+    out = sum(window[:, k : k + length] * weight[:, k, 0] for k in range(taps))
+    return out if bias is None else out + bias
+
 
 class ShortConv(nn.Module):
     """`B, C, X = split(in_proj(x))`; `y = out_proj(C * causal_conv(B * X))`."""
@@ -31,9 +62,12 @@ class ShortConv(nn.Module):
         b, c, x = mx.split(self.in_proj(x), 3, axis=-1)
         return b * x, c
 
+    def causal_conv(self, window: mx.array) -> mx.array:
+        return depthwise_causal_conv(window, self.conv.weight, self.conv.get("bias"))
+
     def __call__(self, x: mx.array) -> mx.array:
         u, c = self.gates(x)
-        v = self.conv(mx.pad(u, [(0, 0), (self.kernel - 1, 0), (0, 0)]))
+        v = self.causal_conv(mx.pad(u, [(0, 0), (self.kernel - 1, 0), (0, 0)]))
         return self.out_proj(c * v)
 
     def ragged(self, x: mx.array, layout: RaggedLayout, state: mx.array) -> tuple[mx.array, mx.array]:
@@ -42,7 +76,7 @@ class ShortConv(nn.Module):
         the state after any number of accepted rows."""
         u, c = self.gates(x)
         window = mx.concatenate([state, layout.pad(u)], axis=1)
-        v = layout.unpad(self.conv(window))
+        v = layout.unpad(self.causal_conv(window))
         return self.out_proj(c * v), window
 
 
@@ -85,8 +119,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         pool.write(slots, layout, k, v)
         keys, values = pool.read(slots, layout)
-        mask = layout.attention_mask(layout.span)
-        o = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        o = attend(q, keys, values, self.scale, layout.attention_mask(layout.span))
         o = o.transpose(0, 2, 1, 3).reshape(layout.lanes, layout.width, -1)
         return self.out_proj(layout.unpad(o))
 
