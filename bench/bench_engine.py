@@ -58,6 +58,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     requests = [Request(p, gen, on_event=count) for p in prompts]
     for request in requests:
         engine.submit(request)
+    engine.step()  # takes the submitted requests in; before it they are neither waiting nor prefilling
     while engine.waiting or engine.prefilling:
         engine.step()
     mx.synchronize()

@@ -6,8 +6,12 @@ evidence per (lanes band, context band) and compares what rounds actually delive
 tokens emitted per second of round time.
 
 Per band:
-- Exploration: a band with no evidence drafts for its first `explore_rounds` rounds,
-  then runs plain for as many, so both choices have a measurement.
+- Exploration: a band with no evidence drafts for its first `explore_rounds` counted
+  rounds, then runs plain for as many, so both choices have a measurement.
+- Warm rounds: the first `warm_rounds` rounds of each choice in a band are run but not
+  counted. A new band is new shapes (more lanes, longer key spans), and a backend's
+  first round at new shapes can pay for building kernels or plans many times over what
+  the round costs after; counted, it would decide the band on its own.
 - After that it runs the choice whose realised throughput is higher (drafting only while
   drafted rounds measure strictly faster) and now and then probes the other choice, so
   that a change (acceptance rising or falling) is noticed and the guard switches back.
@@ -71,6 +75,7 @@ class _Throughput:
     seconds: float = 0.0
     weight: float = 0.0  # decayed count of rounds
     rounds: int = 0  # undecayed count of rounds
+    warm: int = 0  # rounds run but not counted (see warm_rounds)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -110,10 +115,12 @@ class _BandEvidence:
 class DraftGuard:
     """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
-    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 2, outlier_factor: float = 4.0) -> None:
+    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
+                 warm_rounds: int = 1) -> None:
         """`budget`: the share of a band's seconds that probes may take; `smoothing`: the
-        per-round decay of old evidence; `explore_rounds`: rounds of each choice a new band
-        runs; `outlier_factor`: the most a round counts, in its choice's mean round times."""
+        per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
+        new band runs; `outlier_factor`: the most a round counts, in its choice's mean
+        round times; `warm_rounds`: the rounds of each choice a band runs uncounted first."""
         if not 0.0 < budget < 1.0:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
         if not 0.0 < smoothing <= 1.0:
@@ -126,6 +133,9 @@ class DraftGuard:
         if not outlier_factor > 1.0:
             raise ValueError(f"outlier_factor must be above 1, got {outlier_factor}")
         self._outlier_factor = outlier_factor
+        if warm_rounds < 0:
+            raise ValueError(f"warm_rounds cannot be negative, got {warm_rounds}")
+        self._warm_rounds = warm_rounds
         self._bands: dict[Band, _BandEvidence] = {}
 
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
@@ -163,12 +173,15 @@ class DraftGuard:
         if emitted_tokens < 0:
             raise ValueError(f"emitted tokens cannot be negative, got {emitted_tokens}")
         evidence = self._bands.setdefault(decision.band, _BandEvidence())
+        choice = evidence.drafted if decision.draft else evidence.plain
+        evidence.seconds += round_seconds
+        if choice.warm < self._warm_rounds:
+            choice.warm += 1
+            return
         evidence.drafted.decay(self._keep)
         evidence.plain.decay(self._keep)
-        choice = evidence.drafted if decision.draft else evidence.plain
         counted = min(round_seconds, self._outlier_factor * choice.mean_round_seconds) if choice.weight > 1e-9 else round_seconds
         choice.add(counted, emitted_tokens)
-        evidence.seconds += round_seconds
         if decision.probe:
             evidence.probe_seconds += round_seconds
             evidence.probe_rounds += 1

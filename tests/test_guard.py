@@ -85,7 +85,7 @@ LOSES = dict(lanes=16, plain_seconds=0.050, drafted_seconds=0.090, acceptance=0.
 
 
 def test_a_fresh_band_explores_drafting_first_then_plain():
-    guard = DraftGuard(explore_rounds=2)
+    guard = DraftGuard(explore_rounds=2, warm_rounds=0)
     decisions = run_rounds(guard, SyntheticRounds(**PAYS), 5, np.random.default_rng(0))
     assert [(d.draft, d.reason) for d in decisions[:4]] == [
         (True, EXPLORE), (True, EXPLORE), (False, EXPLORE), (False, EXPLORE),
@@ -93,6 +93,23 @@ def test_a_fresh_band_explores_drafting_first_then_plain():
     assert not any(d.probe for d in decisions[:4])
     assert (decisions[4].draft, decisions[4].reason) == (True, DRAFTING_FASTER)
     assert decisions[0].drafted_tps is None and decisions[0].plain_tps is None
+
+
+def test_the_first_rounds_of_each_choice_in_a_band_are_not_counted():
+    # A first drafted round 50x its true cost (kernels built on first use) would make a
+    # band where drafting pays about 3.9x look like a loss if it were counted.
+    model = SyntheticRounds(**PAYS)
+    rng = np.random.default_rng(0)
+    for warm_rounds, drafting_kept in ((1, True), (0, False)):
+        guard = DraftGuard(explore_rounds=2, warm_rounds=warm_rounds)
+        first = guard.decide(1, 3000)
+        guard.record(first, 50 * PAYS["drafted_seconds"], 1)
+        decisions = run_rounds(guard, model, 2 + 2 * (warm_rounds + 2), rng)
+        assert decisions[-1].draft is drafting_kept
+    reasons = [d.reason for d in run_rounds(DraftGuard(explore_rounds=2, warm_rounds=1), model, 7, rng)]
+    assert reasons == [EXPLORE] * 6 + [DRAFTING_FASTER]  # 1 warm + 2 counted rounds of each choice
+    with pytest.raises(ValueError):
+        DraftGuard(warm_rounds=-1)
 
 
 def probe_share(guard, band):
@@ -103,7 +120,7 @@ def probe_share(guard, band):
 def test_drafting_is_chosen_when_it_pays_and_probes_stay_in_budget():
     guard = DraftGuard(budget=0.03)
     decisions = run_rounds(guard, SyntheticRounds(**PAYS, noise=0.2), 3000, np.random.default_rng(1))
-    steady = decisions[4:]
+    steady = decisions[8:]  # after 1 warm and 3 counted rounds of each choice
     drafted = sum(d.draft for d in steady)
     probes = [d for d in steady if d.probe]
     assert all(not d.draft for d in probes)  # probes run plain, the loser
@@ -115,7 +132,7 @@ def test_drafting_is_chosen_when_it_pays_and_probes_stay_in_budget():
 def test_drafting_is_dropped_when_it_loses_and_probes_stay_in_budget():
     guard = DraftGuard(budget=0.03)
     decisions = run_rounds(guard, SyntheticRounds(**LOSES, noise=0.2), 3000, np.random.default_rng(2), 40_000)
-    steady = decisions[4:]
+    steady = decisions[8:]
     assert all(d.draft == d.probe for d in steady)  # drafts only as a probe
     assert sum(d.probe for d in steady) >= 20
     share = probe_share(guard, decisions[0].band)
@@ -175,7 +192,7 @@ def test_a_band_where_drafting_lost_starts_plain_and_others_are_fresh():
 
 def test_equal_throughput_does_not_draft():
     # Drafted 2 tokens / 0.04 s = 50 tok/s = plain 1 token / 0.02 s: drafting must measure faster.
-    guard = DraftGuard()
+    guard = DraftGuard(explore_rounds=2, warm_rounds=0)
     for draft, seconds, tokens in [(True, 0.04, 2)] * 2 + [(False, 0.02, 1)] * 2:
         decision = guard.decide(1, 100)
         assert decision.draft == draft
@@ -187,7 +204,7 @@ def test_equal_throughput_does_not_draft():
 def test_throughput_is_a_decayed_ratio_of_sums():
     # smoothing 0.5: each record halves the band's old sums first.
     # drafted: (0.5 * 2 + 6) tokens / (0.5 * 0.04 + 0.04) s = 7 / 0.06 = 116.67 tok/s
-    guard = DraftGuard(smoothing=0.5, explore_rounds=2)
+    guard = DraftGuard(smoothing=0.5, explore_rounds=2, warm_rounds=0)
     for seconds, tokens in [(0.04, 2), (0.04, 6)]:
         guard.record(guard.decide(1, 100), seconds, tokens)
     decision = guard.decide(1, 100)
@@ -212,7 +229,7 @@ def test_decide_changes_nothing():
 
 
 def test_snapshot_reports_each_band():
-    guard = DraftGuard(explore_rounds=1)
+    guard = DraftGuard(explore_rounds=1, warm_rounds=0)
     decision = guard.decide(3, 5000)
     guard.record(decision, 0.5, 12)
     assert guard.snapshot() == {
