@@ -38,6 +38,7 @@ class EngineConfig:
     max_waiting: int = 64
     prefill_chunk: int = 512  # prompt tokens read per engine iteration
     draft_width: int | None = None  # fixed verify rows per drafted round; None prices them
+    steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
 
 
 class Engine:
@@ -49,7 +50,7 @@ class Engine:
         self.eos_ids = frozenset(eos_ids)
         self.drafter = drafter
         self.config = config
-        self.rounds = rounds or RoundRunner(target, drafter, draft_width=config.draft_width)
+        self.rounds = rounds or RoundRunner(target, drafter, draft_width=config.draft_width, steady_shapes=config.steady_shapes)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Lane] = deque()
         self._running: list[Lane] = []

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from families.lfm2.cache import plans_per_shape, row_bucket
+
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
@@ -83,7 +85,7 @@ class RoundRunner:
     the guard decide whether to draft at all."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
-                 costs: CostTable | None = None, clock=time.perf_counter):
+                 costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
@@ -91,6 +93,9 @@ class RoundRunner:
         self.costs = costs or CostTable()
         self.clock = clock
         self.counters = RoundCounters()
+        # Pad varying row counts to buckets and key spans of several lanes to KEY_BUCKET:
+        # by default where the backend plans per shape (see plans_per_shape).
+        self.steady_shapes = plans_per_shape() if steady_shapes is None else steady_shapes
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
         if drafter is not None:
@@ -119,12 +124,20 @@ class RoundRunner:
                 self.calibrator = calibrator
 
     def warm_up(self, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
-        """Seed the cost table with a short profile: target forwards of L lanes x w rows
-        and drafter proposals for L lanes, at a short context, best of `repeats`."""
+        """Where shapes are kept steady, run once every shape a round can take for up to
+        `max_lanes` lanes (plain and bucketed verify widths, proposals, bucketed context
+        appends), so that the backend builds its plans before serving, not in the rounds
+        a guard times. Then seed the cost table with a short profile: target forwards of
+        L lanes x w rows and drafter proposals for L lanes, at a short context, best of
+        `repeats`."""
         counts = sorted({1, min(4, max_lanes), max_lanes})
-        widths = sorted({1, 2, 4, self.proposals + 1}) if self.drafter is not None else [1]
+        widths = [1]
+        if self.drafter is not None and self.steady_shapes:
+            widths = sorted({1} | {self._verify_width(w) for w in range(2, self.proposals + 2)})
+        elif self.drafter is not None:
+            widths = sorted({1, 2, 4, self.proposals + 1})
         prompt = [1 + (i % (self.target.vocab_size - 1)) for i in range(context)]
-        slots = [self.target.open_lane() for _ in range(counts[-1])]
+        slots = [self.target.open_lane() for _ in range(max_lanes)]
         out = self.target.forward(slots, [prompt] * len(slots), logits="last", taps=self._taps(self.drafter is not None))
         self.target.commit(out, [context] * len(slots))
         drafter_slots = []
@@ -134,13 +147,20 @@ class RoundRunner:
             self.drafter.append(drafter_slots, rows, [prompt] * len(slots))
         mx.eval(out.logits, *self.target.state_arrays(), *(self.drafter.state_arrays() if self.drafter else []))
         try:
+            for lanes in range(1, max_lanes + 1) if self.steady_shapes else ():
+                for width in widths:
+                    self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes))
+                if self.drafter is not None:
+                    self._time(lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays())
+            if self.drafter is not None and self.steady_shapes:
+                one_row = out.taps[:1]
+                most = row_bucket(max_lanes * (self.proposals + 1))
+                for rows in (1 << k for k in range(most.bit_length())):  # appends pad to these
+                    self._time(lambda: self._append_only(drafter_slots[:1], one_row, rows))
             for lanes in counts:
                 for width in widths:
-                    rows = [width] * lanes
-                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], rows)) for _ in range(repeats))
+                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes)) for _ in range(repeats))
                     self.costs.seed(lanes * width, lanes, context, seconds)
-                # A ragged verify too, so kernels a drafted round needs exist before it runs.
-                self._time(lambda: self._forward_only(slots[:lanes], [1 + k % widths[-1] for k in range(lanes)]))
                 if self.drafter is not None:
                     propose = lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
                     self.costs.observe_draft(lanes, context, min(self._time(propose) for _ in range(repeats)))
@@ -150,12 +170,24 @@ class RoundRunner:
             for slot in drafter_slots:
                 self.drafter.close_lane(slot)
 
+    def _append_only(self, slots, row: mx.array, rows: int) -> list[mx.array]:
+        """A drafter context append of `rows` rows to the first slot, then forgotten: the
+        rows past the slot's length are not counted and will be overwritten."""
+        self.drafter.append(slots, [mx.repeat(row, rows, axis=0)], [[1] * rows], bucket_rows=True)
+        slots[0].length -= rows
+        return self.drafter.state_arrays()
+
+    def _verify_width(self, rows: int) -> int:
+        """Rows every lane of a drafted round feeds: the widest window's, bucketed where
+        shapes are kept steady."""
+        return row_bucket(rows, self.proposals + 1) if self.steady_shapes else rows
+
     def _forward_only(self, slots, rows: list[int]) -> list[mx.array]:
         """A forward of `rows[i]` rows for lane i, shaped as the round that would run it
         (verify rounds round their key span up) and never committed: the rows it writes
         past each lane's length are not counted and will be overwritten."""
-        verify = max(rows) > 1
-        out = self.target.forward(slots, [[1] * w for w in rows], key_bucket=KEY_BUCKET if verify else 1)
+        key_bucket = KEY_BUCKET if max(rows) > 1 else self._plain_key_bucket(len(rows))
+        out = self.target.forward(slots, [[1] * w for w in rows], key_bucket=key_bucket)
         return [out.logits, *self.target.state_arrays()]
 
     def _time(self, build) -> float:
@@ -258,6 +290,11 @@ class RoundRunner:
         self._inflight = following
         return events
 
+    def _plain_key_bucket(self, lanes: int) -> int:
+        # One lane attends its exact span with the fused one-query kernel; several lanes
+        # need a mask and plain matmuls, whose shapes should stay steady (see KEY_BUCKET).
+        return KEY_BUCKET if self.steady_shapes and lanes > 1 else 1
+
     @staticmethod
     def _pipelinable(lane: Lane) -> bool:
         # One row ahead must stay within the lane's limits, and a repetition penalty
@@ -270,7 +307,8 @@ class RoundRunner:
         started = self.clock()
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
         fed = anchors if lag else [[a] for a in anchors]
-        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self._taps(want_taps))
+        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self._taps(want_taps),
+                                  key_bucket=self._plain_key_bucket(len(lanes)))
         uniforms = [lane_uniform(lane.seed, lane.position + 1 + lag, SAMPLE) for lane in lanes]
         histories = [lane.request.prompt + lane.generated for lane in lanes]
         tokens = choose_tokens(out.logits, [lane.request.sampling for lane in lanes], histories, uniforms)
@@ -317,6 +355,7 @@ class RoundRunner:
             [lane.drafter_slot for lane in due],
             [mx.concatenate(lane.pending_taps) for lane in due],
             [lane.pending_tokens for lane in due],
+            bucket_rows=self.steady_shapes,
         )
         for lane in due:
             lane.pending_taps, lane.pending_tokens = [], []
@@ -352,6 +391,7 @@ class RoundRunner:
                     round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
                     draft_seconds=draft_seconds,
                     max_depths=caps,
+                    rows_of=(lambda depths: len(lanes) * self._verify_width(1 + max(depths))) if self.steady_shapes else None,
                 )
             except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
                 depths = caps
@@ -368,9 +408,14 @@ class RoundRunner:
             window_drafts = drafts[r][: depths[r]] if r is not None else []
             windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.request.prompt + lane.generated,
                                   window_drafts, r))
+        # Every lane feeds the same number of rows, padded past its window with its last
+        # token: rows after a lane's window are never kept, never seen by its real rows
+        # (they sit at later positions), and one width per round keeps shapes steady.
+        width = self._verify_width(max(w.rows for w in windows))
+        fed = [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)]
         out = self.target.forward(
             [lane.target_slot for lane in lanes],
-            [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)],
+            [rows + rows[-1:] * (width - len(rows)) for rows in fed],
             taps=self.drafter.tap_layers,
             key_bucket=KEY_BUCKET,
         )
@@ -400,8 +445,7 @@ class RoundRunner:
             events.append((lane, lane.emit(window.drafts[: outcome.accepted] + [outcome.token])))
         self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         emitted = sum(len(event.token_ids) for _, event in events)
-        rows = sum(w.rows for w in windows)
         report = RoundReport(
-            "drafted", len(lanes), rows, emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
+            "drafted", len(lanes), len(lanes) * width, emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
         )
         return events, report

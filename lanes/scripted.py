@@ -121,8 +121,8 @@ class ScriptedDrafter:
         self._match.pop(lane.slot, None)
         self.drafter.close_lane(lane)
 
-    def append(self, lanes, taps, tokens) -> None:
-        self.drafter.append(lanes, taps, tokens)
+    def append(self, lanes, taps, tokens, bucket_rows: bool = False) -> None:
+        self.drafter.append(lanes, taps, tokens, bucket_rows)
         for lane, ids in zip(lanes, tokens):
             self._history[lane.slot] += ids
 

@@ -67,14 +67,16 @@ def verify(logits: mx.array, row_starts: list[int], windows: list[Window], chain
     greedy = [i for i, w in enumerate(windows) if w.params.greedy]
     sampled = [i for i, w in enumerate(windows) if not w.params.greedy]
     lazy: dict[int, list[mx.array]] = {}
-    if greedy:
-        rows = mx.array([row_starts[i] + k for i in greedy for k in range(windows[i].rows)], dtype=mx.int32)
-        chosen = logits[rows]
-        if any(windows[i].params.repetition_penalty != 1.0 for i in greedy):
-            histories = [h for i in greedy for h in windows[i].row_histories()]
-            penalties = [windows[i].params.repetition_penalty for i in greedy for _ in range(windows[i].rows)]
-            chosen = apply_repetition_penalty(chosen, histories, penalties)
+    greedy_rows = [row_starts[i] + k for i in greedy for k in range(windows[i].rows)]
+    penalised = any(windows[i].params.repetition_penalty != 1.0 for i in greedy)
+    if penalised:
+        histories = [h for i in greedy for h in windows[i].row_histories()]
+        penalties = [windows[i].params.repetition_penalty for i in greedy for _ in range(windows[i].rows)]
+        chosen = apply_repetition_penalty(logits[mx.array(greedy_rows, dtype=mx.int32)], histories, penalties)
         lazy["greedy"] = [mx.argmax(chosen, axis=-1)]
+    elif greedy:
+        # Every row's argmax, padding rows too, picked on the host: one steady shape.
+        lazy["greedy"] = [mx.argmax(logits, axis=-1)]
     for i in sampled:
         lazy[i] = _sampling_tensors(logits, row_starts[i], windows[i], chain_logits)
     mx.eval([a for arrays in lazy.values() for a in arrays])
@@ -82,6 +84,8 @@ def verify(logits: mx.array, row_starts: list[int], windows: list[Window], chain
     outcomes: list[Outcome | None] = [None] * len(windows)
     if greedy:
         choices = lazy["greedy"][0].tolist()
+        if not penalised:
+            choices = [choices[r] for r in greedy_rows]
         offset = 0
         for i in greedy:
             w = windows[i]

@@ -22,6 +22,7 @@ from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
 from lanes.scripted import ScriptedDrafter, published_profile
+from tests.priced import price_without_timing
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(i).integers(15, 500, 4 + 5 * i)] for i in range(8)]
 MAX_TOKENS = 40
@@ -37,14 +38,15 @@ def moe_drafter_dir(moe_dir, tmp_path_factory):
     return make_tiny_drafter(tmp_path_factory.mktemp("moe_drafter"), moe_dir, seed=6, block_size=9)
 
 
-def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None):
+def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False):
     loaded = open_target(path, max_lanes=lanes)
     drafter = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, bits=bits, max_lanes=lanes)
         if sequences is not None:
             drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, draft_width=width))
+    config = EngineConfig(max_streams=lanes, draft_width=width, steady_shapes=steady_shapes)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, config)
     if drafter is not None and width is None:
         engine.warm_up()
     return engine
@@ -90,6 +92,19 @@ def test_sixteen_lanes_mixing_drafted_and_plain(dense_dir, drafter_dir, plain):
             assert sum(d.draft.accepted for d in done) > 0
 
 
+def test_rounds_padded_to_steady_shapes_stay_exact(dense_dir, drafter_dir, plain):
+    # What a CUDA backend runs: every lane of a drafted round feeds one bucketed width,
+    # several plain lanes attend a bucketed key span, drafter appends pad their rows.
+    scripted = sequences_of(PROMPTS, plain)
+    for width in (3, 10, None):
+        engine = engine_for(dense_dir, drafter_dir, scripted, width, lanes=4, steady_shapes=True)
+        if width is None:
+            price_without_timing(engine)
+        done = engine.generate([Request(p, MAX_TOKENS, draft=i % 2 == 0) for i, p in enumerate(PROMPTS[:4])])
+        assert [d.token_ids for d in done] == plain[:4], f"width {width}"
+        assert done[0].draft.accepted > 0 and done[1].draft.drafted_rounds == 0
+
+
 def test_unscripted_drafter_is_exact_too(dense_dir, drafter_dir, plain, moe_dir, moe_drafter_dir):
     """The real (random) drafter's own proposals, mostly rejected: rollback at accept 0."""
     for width in (10, None):
@@ -112,9 +127,9 @@ class PoisonedDrafter(ScriptedDrafter):
         super().__init__(*args, **kwargs)
         self.poisoned_slot = poisoned_slot
 
-    def append(self, lanes, taps, tokens):
+    def append(self, lanes, taps, tokens, bucket_rows=False):
         taps = [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
-        super().append(lanes, taps, tokens)
+        super().append(lanes, taps, tokens, bucket_rows)
 
 
 def test_a_faulty_lane_runs_plain_and_its_neighbours_keep_drafting(dense_dir, drafter_dir, plain):

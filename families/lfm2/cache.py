@@ -14,6 +14,24 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 
+def plans_per_shape() -> bool:
+    """Whether the default device's backend builds a plan the first time it meets each
+    matmul shape (CUDA's cuBLASLt does: about 3.5 ms per shape on the H200). Where it
+    does, rounds pad their varying row counts to `row_bucket`s; elsewhere padding would
+    only add work."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def row_bucket(rows: int, ceiling: int | None = None) -> int:
+    """`rows` rounded up to a power of two (at most `ceiling`, when given, if rows fit it).
+
+    Where the backend plans per shape, rounds whose row counts vary (verify windows,
+    drafter context appends) pad to these buckets, so a handful of shapes pay for their
+    plans once where every row count would pay again."""
+    bucket = 1 << max(rows - 1, 0).bit_length()
+    return min(bucket, ceiling) if ceiling is not None and rows <= ceiling else bucket
+
+
 class RaggedLayout:
     """Where each lane's rows sit in a round.
 

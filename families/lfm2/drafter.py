@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator
+from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, row_bucket
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, load_layer_by_layer, read_tensors
 from .model import Lfm2Model, attend
@@ -404,10 +404,11 @@ class DSparkDrafter:
         """Every pool array, to evaluate appended context together with a round's outputs."""
         return [a for pool in self.kv for a in (pool.keys, pool.values)]
 
-    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]]) -> None:
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
         """Add newly committed rows to each lane's context: `taps[i]` is
         `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), the
-        target's rows for the committed `tokens[i]`. Lazy."""
+        target's rows for the committed `tokens[i]`. `bucket_rows` pads the rows to a
+        `row_bucket` (see there). Lazy."""
         slots, positions, parts = [], [], []
         for lane, rows, ids in zip(lanes, taps, tokens, strict=True):
             count = rows.shape[0]
@@ -418,10 +419,17 @@ class DSparkDrafter:
             parts.append(rows)
         if not positions:
             return
-        # Every row is its own one-row "lane" at its slot and position: no padding, one
-        # scatter per layer however ragged the counts are.
+        # Every row is its own one-row "lane" at its slot and position: one scatter per
+        # layer however ragged the counts are. Padding repeats the last row, which writes
+        # the same values to the same place again.
+        pad = row_bucket(len(positions)) - len(positions) if bucket_rows else 0
+        slots += slots[-1:] * pad
+        positions += positions[-1:] * pad
+        rows = mx.concatenate(parts, axis=0)
+        if pad:
+            rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
         layout = RaggedLayout([1] * len(positions), positions)
-        c = self.model.context(mx.concatenate(parts, axis=0).astype(self.dtype))[:, None, :]  # [R, 1, H]
+        c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
         for layer, pool in zip(self.model.layers, self.kv):
             pool.reserve(layout.span)
             pool.write(slots, layout, *layer.self_attn.keys_values(c, layout.offsets_array))
