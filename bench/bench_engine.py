@@ -2,7 +2,7 @@
 
     python -m bench.bench_engine --model DIR --drafter DIR --out bench/results/NAME
         [--streams 1,4,8,16] [--prompt-tokens 256] [--gen-tokens 128] [--alternations 3]
-        [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--log FILE]
+        [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--long-alternations 1] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
 wrapped in the scripted-acceptance drafter (lanes/scripted.py, measurement only): it
@@ -123,7 +123,7 @@ def run(args) -> dict:
         recorded = {c: decode_run(long.plain, ps, args.long_gen_tokens)["tokens"] for c, ps in prompts.items()}
         falling = long.scripted(falling_with_context_profile(), [p + t for c in args.long_contexts for p, t in zip(prompts[c], recorded[c])])
         for c in args.long_contexts:
-            r = compare(long.plain, falling, prompts[c], args.long_gen_tokens, 1)
+            r = compare(long.plain, falling, prompts[c], args.long_gen_tokens, args.long_alternations)
             result["long_context"][c] = r
             print(f"context {c}: plain {r['plain_tok_s']:.1f} tok/s, guarded drafting {r['drafted_tok_s']:.1f} tok/s, "
                   f"ratio {r['ratio']:.2f}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
@@ -202,6 +202,7 @@ def main() -> None:
     p.add_argument("--long-contexts", type=ints, default=[])
     p.add_argument("--long-streams", type=int, default=1)
     p.add_argument("--long-gen-tokens", type=int, default=64)
+    p.add_argument("--long-alternations", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--decisive", type=float, default=1 / 32,
                    help="scale of the target's output projections (1 keeps the drawn weights; see above)")
