@@ -178,7 +178,6 @@ def plan_depths(
     round_seconds: Callable[[int], float],
     draft_seconds: float,
     max_depths: Sequence[int] | None = None,
-    rows_of: Callable[[Sequence[int]], int] | None = None,
 ) -> list[int]:
     """Verify depth per drafting lane: the DSpark prefix scheduler.
 
@@ -193,8 +192,6 @@ def plan_depths(
 
     `chances_per_lane[r]` are lane r's chain chances (non-increasing, one per proposal);
     `max_depths[r]`, if given, caps lane r's depth further (e.g. tokens it may still emit).
-    `rows_of(depths)`, if given, is the rows the target computes for these depths (a
-    round that pads every lane to one width); by default every row is a real one.
     """
     if plain_rows < 0:
         raise ValueError(f"plain_rows cannot be negative, got {plain_rows}")
@@ -215,20 +212,18 @@ def plan_depths(
             raise ValueError(f"a round of {rows} rows cannot take {seconds} seconds")
         return tokens / seconds
 
-    if rows_of is None:
-        rows_of = lambda depths: len(depths) + plain_rows + sum(depths)  # noqa: E731
     depths = [0] * len(chances_per_lane)
     if not candidates:
         return depths
-    tokens = float(len(chances_per_lane) + plain_rows)
-    current = rate(tokens, rows_of(depths))
+    rows = len(chances_per_lane) + plain_rows
+    tokens = float(rows)
+    current = rate(tokens, rows)
     for chance, k, lane in candidates:
-        widened_depths = depths.copy()
-        widened_depths[lane] = k
-        widened = rate(tokens + chance, rows_of(widened_depths))
+        widened = rate(tokens + chance, rows + 1)
         if widened <= current:
             break
-        depths = widened_depths
+        depths[lane] = k
+        rows += 1
         tokens += chance
         current = widened
     return depths

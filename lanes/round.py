@@ -383,6 +383,10 @@ class RoundRunner:
         if self.draft_width is not None:
             depths = caps
         else:
+            # Priced by real rows, though steady shapes pad them (step 3): where padding is
+            # used the round's cost hardly depends on its rows (the GPU is bound by launches
+            # at these sizes), and a bucket's step in cost would stop the prefix scan at its
+            # first candidate.
             context = max(lane.context for lane in lanes)
             try:
                 depths = plan_depths(
@@ -391,7 +395,6 @@ class RoundRunner:
                     round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
                     draft_seconds=draft_seconds,
                     max_depths=caps,
-                    rows_of=(lambda depths: len(lanes) * self._verify_width(1 + max(depths))) if self.steady_shapes else None,
                 )
             except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
                 depths = caps
