@@ -35,6 +35,7 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
 
 
 def run(args) -> dict:
-    result = {"model": args.model, "drafter": args.drafter, "device": str(mx.default_device()),
+    result = {"command": " ".join(["python -m bench.bench_engine", *sys.argv[1:]]),
+              "model": args.model, "drafter": args.drafter, "device": str(mx.default_device()),
               "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "streams": {}, "long_context": {}}
     rng = np.random.default_rng(0)
     if args.streams:
@@ -177,6 +179,8 @@ class Setup:
 
 def markdown(result: dict) -> str:
     lines = [
+        f"- command: `{result['command']}`",
+        "",
         f"Device: {result['device']}; prompts of {result['prompt_tokens']} tokens, {result['gen_tokens']} generated per stream;",
         "scripted acceptance at the published profile; tok/s are medians of alternated runs, drafted / plain the median",
         "of each drafted run's ratio to the plain run just before it.",

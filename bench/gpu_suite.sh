@@ -22,8 +22,10 @@ checkpoints_2_6b() {
     --block-size 9 --taps 2,9,17,21,27 --rope-theta 1e7 --dtype bfloat16
 }
 engine_2_6b() {
-  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/gpu-engine-2.6b" \
-    --long-contexts "${LONG_CONTEXTS:-4096,32768,131072}" --log "$out/gpu-engine-2.6b.log"
+  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/engine" \
+    --alternations 5 --log "$out/engine.log"
+  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/long" --streams '' \
+    --long-contexts "${LONG_CONTEXTS:-4096,32768,126000}" --long-alternations 3 --long-gen-tokens 256 --log "$out/long.log"
 }
 
 case "$shape" in
