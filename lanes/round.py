@@ -426,7 +426,7 @@ class RoundRunner:
 
         # 4. Commit and emit.
         self.target.commit(out, [1 + o.accepted for o in outcomes])
-        mx.eval(self.target.state_arrays())
+        mx.async_eval(self.target.state_arrays())  # the next round builds while this lands
         events = []
         proposed_at, accepted_at = [0] * g, [0] * g
         for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
