@@ -149,14 +149,13 @@ class RoundRunner:
         try:
             for lanes in range(1, max_lanes + 1) if self.steady_shapes else ():
                 for width in widths:
-                    self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes))
+                    mx.eval(self._forward_only(slots[:lanes], [width] * lanes))
                 if self.drafter is not None:
-                    self._time(lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays())
+                    mx.eval(self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays())
             if self.drafter is not None and self.steady_shapes:
-                one_row = out.taps[:1]
                 most = row_bucket(max_lanes * (self.proposals + 1))
                 for rows in (1 << k for k in range(most.bit_length())):  # appends pad to these
-                    self._time(lambda: self._append_only(drafter_slots[:1], one_row, rows))
+                    mx.eval(self._append_only(drafter_slots[:1], out.taps[:1], rows))
             for lanes in counts:
                 for width in widths:
                     seconds = min(self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes)) for _ in range(repeats))
