@@ -6,12 +6,10 @@
 One lane, one prompt of `--context` tokens. A plain engine (no drafter) alternates with
 an engine whose lanes hold drafter slots but whose guard never drafts, so every round is
 plain and only the upkeep differs: the taps each round keeps and the drafter context
-folded in every 64 rows. Three comparisons, each a median of the per-alternation ratios
-of decode time (capable / plain):
+folded in every 64 rows. Two comparisons, each a median of the per-alternation ratios of
+decode time (capable / plain):
 
 - `upkeep`: the capable engine as it serves;
-- `taps evaluated`: the same, its taps evaluated with each round instead of left lazy
-  until the fold;
 - `control`: the same engine with its lanes' drafter slots hidden during rounds (no taps,
   no folds), which is plain work on both sides: its spread is the machine's noise.
 
@@ -46,14 +44,6 @@ class NeverDraft:
 
     def record(self, decision, round_seconds, emitted_tokens) -> None:
         pass
-
-
-class EvaluatedTaps(RoundRunner):
-    def _dispatch(self, lanes, anchors, lag):
-        dispatch = super()._dispatch(lanes, anchors, lag)
-        if dispatch.out.taps is not None:
-            mx.async_eval(dispatch.out.taps)
-        return dispatch
 
 
 class HiddenDrafter(RoundRunner):
@@ -113,7 +103,7 @@ def main() -> None:
     prompt = [5 + (7 * j) % 3000 for j in range(args.context)]
     result = {"command": " ".join(["python -m bench.bench_upkeep", *sys.argv[1:]]), "device": str(mx.default_device()),
               "context": args.context, "gen_tokens": args.gen_tokens, "comparisons": {}}
-    for name, runner in (("upkeep", RoundRunner), ("taps evaluated", EvaluatedTaps), ("control", HiddenDrafter)):
+    for name, runner in (("upkeep", RoundRunner), ("control", HiddenDrafter)):
         capable = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1),
                          rounds=runner(target, drafter, guard=NeverDraft()))
         capable.warm_up()

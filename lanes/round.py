@@ -312,7 +312,9 @@ class RoundRunner:
         histories = [lane.request.prompt + lane.generated for lane in lanes]
         tokens = choose_tokens(out.logits, [lane.request.sampling for lane in lanes], histories, uniforms)
         self.target.commit(out, [1] * len(lanes))
-        mx.async_eval(tokens, *self.target.state_arrays())
+        # Taps are evaluated with the round, not when the drafter folds them in: a lazy
+        # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
+        mx.async_eval(tokens, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
         return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag))
 
     def _land_inflight(self) -> list:
