@@ -49,6 +49,17 @@ from lanes.lane import Request
 from lanes.scripted import ScriptedDrafter, falling_with_context_profile, published_profile
 
 
+def read_prompts(engine: Engine, requests: list[Request]) -> None:
+    """Submit requests and step the engine until every prompt is read, then wait for the
+    device: what follows is decoding alone."""
+    for request in requests:
+        engine.submit(request)
+    engine.step()  # takes the submitted requests in; before it they are neither waiting nor prefilling
+    while engine.waiting or engine.prefilling:
+        engine.step()
+    mx.synchronize()
+
+
 def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     """Run prompts to completion; time the phase where every lane decodes."""
     decoded = {"tokens": 0, "timing": False}
@@ -58,12 +69,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
             decoded["tokens"] += len(event.token_ids)
 
     requests = [Request(p, gen, on_event=count) for p in prompts]
-    for request in requests:
-        engine.submit(request)
-    engine.step()  # takes the submitted requests in; before it they are neither waiting nor prefilling
-    while engine.waiting or engine.prefilling:
-        engine.step()
-    mx.synchronize()
+    read_prompts(engine, requests)
     decoded["timing"] = True
     started = time.perf_counter()
     engine.run_until_idle()

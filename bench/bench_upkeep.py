@@ -28,7 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.bench_engine import make_decisive
+from bench.bench_engine import make_decisive, read_prompts
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.bands import Band
@@ -73,11 +73,7 @@ class _hidden:
 
 
 def decode_seconds(engine: Engine, prompt: list[int], gen: int) -> float:
-    engine.submit(Request(prompt, gen))
-    engine.step()
-    while engine.waiting or engine.prefilling:
-        engine.step()
-    mx.synchronize()
+    read_prompts(engine, [Request(prompt, gen)])
     started = time.perf_counter()
     engine.run_until_idle()
     return time.perf_counter() - started

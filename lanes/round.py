@@ -146,12 +146,16 @@ class RoundRunner:
             rows = [out.taps[out.row_starts[i] : out.row_starts[i] + context] for i in range(len(slots))]
             self.drafter.append(drafter_slots, rows, [prompt] * len(slots))
         mx.eval(out.logits, *self.target.state_arrays(), *(self.drafter.state_arrays() if self.drafter else []))
+
+        def propose(lanes: int) -> list[mx.array]:
+            return self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
+
         try:
             for lanes in range(1, max_lanes + 1) if self.steady_shapes else ():
                 for width in widths:
                     mx.eval(self._forward_only(slots[:lanes], [width] * lanes))
                 if self.drafter is not None:
-                    mx.eval(self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays())
+                    mx.eval(propose(lanes))
             if self.drafter is not None and self.steady_shapes:
                 most = row_bucket(max_lanes * (self.proposals + 1))
                 for rows in (1 << k for k in range(most.bit_length())):  # appends pad to these
@@ -161,8 +165,7 @@ class RoundRunner:
                     seconds = min(self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes)) for _ in range(repeats))
                     self.costs.seed(lanes * width, lanes, context, seconds)
                 if self.drafter is not None:
-                    propose = lambda: self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
-                    self.costs.observe_draft(lanes, context, min(self._time(propose) for _ in range(repeats)))
+                    self.costs.observe_draft(lanes, context, min(self._time(lambda: propose(lanes)) for _ in range(repeats)))
         finally:
             for slot in slots:
                 self.target.close_lane(slot)
