@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from families.lfm2 import CheckpointError, open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
+from families.lfm2.config import SAMPLING_KEYS, generation_defaults
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
@@ -47,11 +48,12 @@ def add_generate(sub) -> None:
     source.add_argument("--chat", help="one user message, rendered with the checkpoint's chat template")
     source.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, comma-separated")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else greedy and unfiltered)")
+    sampling.add_argument("--temperature", type=float, help="0 = greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int, help="0 disables it")
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -99,8 +101,19 @@ def open_drafter(args, loaded):
     return drafter
 
 
+def sampling_params(args) -> SamplingParams:
+    """A flag wins over the checkpoint's generation_config.json, which wins over
+    SamplingParams' own defaults (greedy, no filters)."""
+    chosen = generation_defaults(args.model)
+    for field in SAMPLING_KEYS:
+        if getattr(args, field) is not None:
+            chosen[field] = getattr(args, field)
+    return SamplingParams(**chosen, seed=args.seed)
+
+
 def run_generate(args) -> int:
     resolve_models(args)
+    sampling = sampling_params(args)
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
     tokenizer = loaded.tokenizer
     if args.prompt_ids is not None:
@@ -112,10 +125,6 @@ def run_generate(args) -> int:
         prompt = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
     else:
         prompt = tokenizer.encode(args.prompt)
-    sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
-    )
     drafter = open_drafter(args, loaded)
     engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
     if drafter is not None and args.draft_width is None and not args.no_draft:

@@ -186,6 +186,44 @@ class Lfm2Config:
         return cls.from_dict(read_json(Path(path) / "config.json"))
 
 
+def _sampling_value(key: str, value: Any) -> float | int:
+    """One sampling field of generation_config.json, checked against the range the
+    sampler accepts (the same ranges as lanes.sampling.SamplingParams)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if key == "top_k":
+        ok, want = number and value == int(value) and value >= 0, "an integer >= 0 (0 disables it)"
+        value = int(value) if ok else value
+    elif not number or not math.isfinite(value):
+        ok, want = False, "a finite number"
+    elif key == "temperature":
+        ok, want = value >= 0, "a finite number >= 0"
+    elif key == "top_p":
+        ok, want = 0 < value <= 1, "in (0, 1]"
+    elif key == "min_p":
+        ok, want = 0 <= value < 1, "in [0, 1)"
+    else:  # repetition_penalty
+        ok, want = value > 0, "a finite number > 0"
+    if not ok:
+        raise CheckpointError(f"generation_config.json '{key}' must be {want}, got {value!r}")
+    return value if key == "top_k" else float(value)
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: str | Path) -> dict[str, float | int]:
+    """The checkpoint's recommended sampling settings: those of `SAMPLING_KEYS` that
+    generation_config.json sets (null counts as unset), checked, keyed as
+    `SamplingParams` fields. Callers let flags and request fields override them. As in
+    vLLM, `do_sample` is not read: transformers' own default for it is false, which would
+    turn every checkpoint's recommended temperature into greedy."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return {}
+    raw = read_json(file)
+    return {key: _sampling_value(key, raw[key]) for key in SAMPLING_KEYS if raw.get(key) is not None}
+
+
 def eos_ids_of(path: str | Path, config: Lfm2Config, token_to_id) -> tuple[int, ...]:
     """The union of eos ids from config.json, generation_config.json and
     tokenizer_config.json (its `eos_token` is a string; `token_to_id` maps it)."""
