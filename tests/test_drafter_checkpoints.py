@@ -101,13 +101,15 @@ def test_model_prefix_is_stripped(drafter_dir, target):
     np.testing.assert_array_equal(np.array(prefixed.tokens), np.array(plain.tokens))
 
 
-def test_width_is_clamped_under_the_verify_ceiling(drafter_dir):
-    plant(drafter_dir, "block_size", 40)
+def test_block_size_at_the_verify_ceiling_reads_and_past_it_is_refused(drafter_dir, target):
+    plant(drafter_dir, "block_size", MAX_VERIFY_WIDTH - 1)
     cfg = DSparkConfig.from_dir(drafter_dir)
-    assert cfg.block_size == 40 and cfg.width == cfg.max_width == MAX_VERIFY_WIDTH - 1 == 31
+    assert cfg.block_size == cfg.width == cfg.max_width == 31
     plant(drafter_dir, "runtime_block_size", 6)
-    cfg = DSparkConfig.from_dir(drafter_dir)
-    assert cfg.width == 6 and cfg.max_width == 31
+    assert DSparkConfig.from_dir(drafter_dir).width == 6
+    for block in (MAX_VERIFY_WIDTH, 100_000):
+        plant(drafter_dir, "block_size", block)
+        refused(drafter_dir, target, r"'block_size' must be an integer in 1\.\.31")
 
 
 # --- refusals by name -----------------------------------------------------------------------
@@ -174,6 +176,20 @@ def test_markov_tables_must_be_target_vocab_by_rank(drafter_dir, target, name, s
     refused(drafter_dir, target, rf"{name} .*target vocab 512, markov_rank 64")
 
 
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_by_name(drafter_dir, target, poison):
+    def plant_poison(t):
+        t["layers.1.mlp.down_proj.weight"][3, 5] = poison
+
+    plant_tensors(drafter_dir, plant_poison)
+    refused(drafter_dir, target, r"drafter tensor layers\.1\.mlp\.down_proj\.weight holds NaN or infinite values")
+
+
+def test_integer_weights_are_refused_by_name(drafter_dir, target):
+    plant_tensors(drafter_dir, lambda t: t.update({"norm.weight": t["norm.weight"].astype(np.int32)}))
+    refused(drafter_dir, target, r"drafter tensor norm\.weight is int32, not floating point")
+
+
 def test_missing_and_misshapen_tensors_are_named(drafter_dir, target):
     plant_tensors(drafter_dir, lambda t: t.update({"layers.1.self_attn.k_norm.weight": np.ones(8, np.float32)}))
     refused(drafter_dir, target, r"layers\.1\.self_attn\.k_norm\.weight has shape \(8,\)")
@@ -183,6 +199,8 @@ def test_missing_and_misshapen_tensors_are_named(drafter_dir, target):
 
 def test_missing_directory_and_config(tmp_path, target):
     refused(tmp_path / "nowhere", target, "does not exist")
+    (tmp_path / "a-file").write_text("")
+    refused(tmp_path / "a-file", target, "is a file, not a directory")
     (tmp_path / "empty").mkdir()
     refused(tmp_path / "empty", target, "config.json")
 

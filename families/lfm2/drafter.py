@@ -84,8 +84,8 @@ class DSparkConfig:
     vocab_size: int
     rope_theta: float
     rope_traditional: bool  # interleaved pairing (`rope_is_neox_style` false)
-    block_size: int  # trained proposals per round
-    width: int  # proposals per round at runtime: runtime_block_size or block_size, clamped
+    block_size: int  # trained proposals per round, at most MAX_VERIFY_WIDTH - 1
+    width: int  # proposals per round at runtime: runtime_block_size or block_size
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
@@ -95,8 +95,8 @@ class DSparkConfig:
 
     @property
     def max_width(self) -> int:
-        """The widest block `propose` accepts: the trained width under the verify ceiling."""
-        return min(self.block_size, MAX_VERIFY_WIDTH - 1)
+        """The widest block `propose` accepts: the trained width (under the verify ceiling)."""
+        return self.block_size
 
     @classmethod
     def from_dict(cls, raw: dict) -> DSparkConfig:
@@ -143,11 +143,10 @@ class DSparkConfig:
             )
         if raw.get("markov_head_type", "vanilla") != "vanilla":
             raise CheckpointError(f"drafter config.json 'markov_head_type' {raw['markov_head_type']!r} is not supported; expected 'vanilla'")
-        block = _int(raw, "block_size")
+        # A verify window is the anchor plus the drafts, at most MAX_VERIFY_WIDTH rows: a wider
+        # trained block is a wrong file, not something to narrow silently.
+        block = _int(raw, "block_size", maximum=MAX_VERIFY_WIDTH - 1)
         width = block if raw.get("runtime_block_size") is None else _int(raw, "runtime_block_size", maximum=block)
-        if width > MAX_VERIFY_WIDTH - 1:
-            log.warning("drafter width %d clamped to %d (verify windows are at most %d rows)", width, MAX_VERIFY_WIDTH - 1, MAX_VERIFY_WIDTH)
-            width = MAX_VERIFY_WIDTH - 1
         return cls(
             hidden_size=hidden,
             num_layers=_int(raw, "num_hidden_layers"),
@@ -507,6 +506,10 @@ def _checked_tensors(model: DSparkModel, tensors: dict[str, mx.array], target_hi
         elif name.startswith("markov_head."):
             why = f" = [target vocab {cfg.vocab_size}, markov_rank {cfg.markov_rank}]"
         raise CheckpointError(f"drafter tensor {name} has shape {got}, expected {want}{why}")
+    not_float = [name for name in expected if not mx.issubdtype(tensors[name].dtype, mx.floating)]
+    if not_float:
+        dtype = str(tensors[not_float[0]].dtype).removeprefix("mlx.core.")
+        raise CheckpointError(f"drafter tensor {not_float[0]} is {dtype}, not floating point")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         log.warning("drafter: ignoring %d tensors it does not use, e.g. %s", len(unexpected), unexpected[:3])
@@ -530,7 +533,7 @@ def load_drafter(
     64); the Markov table and the one-row confidence head stay as loaded."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"drafter directory {path} does not exist")
+        raise CheckpointError(f"drafter directory {path} {'is a file, not a directory' if path.exists() else 'does not exist'}")
     if bits is not None and bits not in DRAFTER_BITS:
         raise CheckpointError(f"drafter bits {bits!r} is not supported; use {' or '.join(map(str, DRAFTER_BITS))}, or leave it unset")
     if dtype is not None and dtype not in DTYPES:
@@ -542,7 +545,7 @@ def load_drafter(
     tensors = _checked_tensors(model, tensors, target_config.hidden_size)
     cast = DTYPES[dtype] if dtype else None
     load_layer_by_layer(
-        model, tensors, lambda n, v: v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v
+        model, tensors, lambda n, v: v.astype(cast) if cast is not None else v, "drafter tensor "
     )
     if bits is not None:
         nn.quantize(

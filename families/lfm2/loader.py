@@ -141,7 +141,7 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Lfm2Model, L
     stay as stored. The router and `expert_bias` always run in float32."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"model directory {path} does not exist")
+        raise CheckpointError(f"model directory {path} {'is a file, not a directory' if path.exists() else 'does not exist'}")
     cfg = Lfm2Config.from_dir(path)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -167,16 +167,19 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Lfm2Model, L
             return value.astype(target_dtype)
         return value
 
-    load_layer_by_layer(model, tensors, prepared)
+    load_layer_by_layer(model, tensors, prepared, "tensor model.")
     model.eval()
     return model, cfg
 
 
-def load_layer_by_layer(model: nn.Module, tensors: dict[str, mx.array], prepared) -> None:
+def load_layer_by_layer(model: nn.Module, tensors: dict[str, mx.array], prepared, label: str) -> None:
     """Load `tensors` (lazy, checked) into `model` one layer at a time: each layer's
     tensors are read, passed through `prepared(name, value)` (a cast), materialised and
     their lazily loaded sources dropped before the next layer is read, so the weights
-    are never held twice. Consumes `tensors`."""
+    are never held twice. Consumes `tensors`.
+
+    A floating tensor holding NaN or infinity (as stored, or after the cast) is refused
+    as `{label}{name}`: such a model runs and prints empty text instead of failing."""
     groups: dict[str, list[str]] = {}
     for name in tensors:
         m = re.match(r"layers\.(\d+)\.", name)
@@ -184,4 +187,8 @@ def load_layer_by_layer(model: nn.Module, tensors: dict[str, mx.array], prepared
     for names in groups.values():
         part = [(n, prepared(n, tensors.pop(n))) for n in names]
         model.load_weights(part, strict=False)
-        mx.eval([v for _, v in part])
+        finite = {n: mx.isfinite(v).all() for n, v in part if mx.issubdtype(v.dtype, mx.floating)}
+        mx.eval([v for _, v in part], finite)
+        bad = [n for n, ok in finite.items() if not ok.item()]
+        if bad:
+            raise CheckpointError(f"{label}{bad[0]} holds NaN or infinite values" + (f" (as do {len(bad) - 1} more)" if len(bad) > 1 else ""))
