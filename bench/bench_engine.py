@@ -5,7 +5,7 @@
         [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--long-alternations 1] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
-wrapped in the scripted-acceptance drafter (lanes/scripted.py, measurement only): it
+wrapped in the scripted-acceptance drafter (bench/scripted.py, measurement only): it
 runs the real drafter forward for its cost, then proposes the target's own greedy
 continuation (recorded by the first plain run of the same prompts) with a survival
 profile. Part 1 uses LiquidAI's published acceptance (about 4.8 tokens per round at
@@ -46,7 +46,7 @@ from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
-from lanes.scripted import ScriptedDrafter, falling_with_context_profile, published_profile
+from bench.scripted import ScriptedDrafter, falling_with_context_profile, published_profile
 
 
 def read_prompts(engine: Engine, requests: list[Request]) -> None:

@@ -21,7 +21,7 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
-from lanes.scripted import ScriptedDrafter, published_profile
+from bench.scripted import ScriptedDrafter, published_profile
 from tests.priced import price_without_timing
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(i).integers(15, 500, 4 + 5 * i)] for i in range(8)]

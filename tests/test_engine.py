@@ -16,7 +16,7 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
 from lanes.lane import FinishReason, Request
-from lanes.scripted import ScriptedDrafter, published_profile
+from bench.scripted import ScriptedDrafter, published_profile
 from tests.priced import price_without_timing
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(100 + i).integers(15, 500, 3 + 2 * i)] for i in range(16)]
