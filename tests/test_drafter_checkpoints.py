@@ -139,6 +139,7 @@ def test_block_size_at_the_verify_ceiling_reads_and_past_it_is_refused(drafter_d
         ("attention_bias", True, "attention_bias"),
         ("runtime_block_size", 5, "runtime_block_size"),  # wider than block_size 4
         ("num_attention_heads", 3, "num_attention_heads"),
+        ("head_dim", 15, "head_dim"),
         ("vocab_size", 1024, "vocab_size"),  # drafter vocab != target vocab
         ("num_target_layers", 8, "num_target_layers"),  # trained for another target
         ("hidden_size", 128, "hidden_size"),

@@ -147,12 +147,15 @@ class DSparkConfig:
         # trained block is a wrong file, not something to narrow silently.
         block = _int(raw, "block_size", maximum=MAX_VERIFY_WIDTH - 1)
         width = block if raw.get("runtime_block_size") is None else _int(raw, "runtime_block_size", maximum=block)
+        head_dim = _int(raw, "head_dim", hidden // heads)
+        if head_dim % 2:
+            raise CheckpointError(f"drafter config.json 'head_dim' {head_dim} is odd; RoPE rotates pairs")
         return cls(
             hidden_size=hidden,
             num_layers=_int(raw, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=_int(raw, "head_dim", hidden // heads),
+            head_dim=head_dim,
             intermediate_size=_int(raw, "intermediate_size"),
             rms_norm_eps=float(eps),
             vocab_size=vocab,
@@ -394,6 +397,11 @@ class DSparkDrafter:
 
     def kv_bytes(self) -> int:
         return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv)
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of KV the open lanes' committed tokens occupy (`kv_bytes` is what is reserved)."""
+        per_token = sum(pool.nbytes_per_position() for pool in self.kv) // self.max_lanes
+        return per_token * self.slots.committed_tokens()
 
     def validate(self, proposal: Proposal) -> list[DraftError | None]:
         """Per-lane problems of an evaluated proposal (see `validate_proposal`)."""
