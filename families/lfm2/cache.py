@@ -204,6 +204,10 @@ class SlotAllocator:
         self._open[lane.slot] = lane
         return lane
 
+    def committed_tokens(self) -> int:
+        """Tokens held by the open lanes, all together."""
+        return sum(lane.length for lane in self._open.values())
+
     def close(self, lane: LaneSlot) -> None:
         if self._open.get(lane.slot) is not lane:
             raise RuntimeError(f"{self.owner} lane slot {lane.slot} is not open")

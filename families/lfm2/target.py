@@ -79,6 +79,11 @@ class Lfm2Target:
     def kv_bytes(self) -> int:
         return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv.values())
 
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of KV the open lanes' committed tokens occupy (`kv_bytes` is what is reserved)."""
+        per_token = sum(pool.nbytes_per_position() for pool in self.kv.values()) // self.max_lanes
+        return per_token * self.slots.committed_tokens()
+
     def forward(
         self,
         lanes: list[LaneSlot],
