@@ -63,10 +63,13 @@ def read_prompts(engine: Engine, requests: list[Request]) -> None:
 def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     """Run prompts to completion; time the phase where every lane decodes."""
     decoded = {"tokens": 0, "timing": False}
+    finished = {}
 
     def count(event):
         if decoded["timing"]:
             decoded["tokens"] += len(event.token_ids)
+        if event.completion is not None:
+            finished[event.request_id] = event.completion
 
     requests = [Request(p, gen, on_event=count) for p in prompts]
     read_prompts(engine, requests)
@@ -74,7 +77,7 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     started = time.perf_counter()
     engine.run_until_idle()
     seconds = time.perf_counter() - started
-    done = [engine.completions[r.id] for r in requests]
+    done = [finished[r.id] for r in requests]
     drafted = [n for d in done for n in d.draft.accepted_per_round]
     return {
         "tokens": [d.token_ids for d in done],

@@ -111,6 +111,9 @@ class ScriptedDrafter:
     def kv_bytes(self) -> int:
         return self.drafter.kv_bytes()
 
+    def kv_bytes_in_use(self) -> int:
+        return self.drafter.kv_bytes_in_use()
+
     def open_lane(self):
         slot = self.drafter.open_lane()
         self._history[slot.slot] = []

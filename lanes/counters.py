@@ -5,9 +5,13 @@ Plain Python numbers only: the daemon reads `snapshot()` from its own thread.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import Counter
 
+# Upper bounds (seconds) of the round-time histogram: a plain step is milliseconds on a
+# GPU, tens of milliseconds on a CPU; a round past seconds is a fault or a long prefill.
+ROUND_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 
 
 class RoundCounters:
@@ -16,9 +20,12 @@ class RoundCounters:
         self.rounds_by_kind: Counter[str] = Counter()
         self.guard_reasons: Counter[str] = Counter()
         self.rows_histogram: Counter[int] = Counter()  # verify rows per round
+        self.seconds_histogram = [0] * (len(ROUND_SECONDS_BUCKETS) + 1)  # per bucket, the last for +Inf
         self.emitted = 0
         self.round_seconds = 0.0
         self.draft_seconds = 0.0
+        self.last_round_seconds = 0.0
+        self.drafts = 0  # lane-rounds that verified at least one draft
         self.proposed_at: list[int] = []  # verified drafts by position (1-based index k-1)
         self.accepted_at: list[int] = []
 
@@ -29,9 +36,12 @@ class RoundCounters:
             if report.decision is not None:
                 self.guard_reasons[report.decision.reason] += 1
             self.rows_histogram[report.rows] += 1
+            self.seconds_histogram[bisect.bisect_left(ROUND_SECONDS_BUCKETS, report.seconds)] += 1
             self.emitted += report.emitted
             self.round_seconds += report.seconds
+            self.last_round_seconds = report.seconds
             self.draft_seconds += report.draft_seconds
+            self.drafts += report.proposed_per_position[0] if report.proposed_per_position else 0
             for k, (proposed, accepted) in enumerate(zip(report.proposed_per_position, report.accepted_per_position)):
                 if k == len(self.proposed_at):
                     self.proposed_at.append(0)
@@ -41,13 +51,22 @@ class RoundCounters:
 
     def snapshot(self) -> dict:
         with self._lock:
+            cumulative, buckets = 0, []
+            for bound, count in zip(ROUND_SECONDS_BUCKETS, self.seconds_histogram):
+                cumulative += count
+                buckets.append([bound, cumulative])
             return {
                 "rounds_by_kind": dict(self.rounds_by_kind),
                 "guard_reasons": dict(self.guard_reasons),
                 "verify_rows": dict(self.rows_histogram),
+                "round_seconds": {"buckets": buckets, "sum": self.round_seconds, "count": sum(self.seconds_histogram)},
+                "last_round_seconds": self.last_round_seconds,
                 "emitted_tokens": self.emitted,
-                "round_seconds": self.round_seconds,
+                "round_seconds_total": self.round_seconds,
                 "draft_seconds": self.draft_seconds,
+                "drafts_total": self.drafts,
+                "draft_tokens_total": sum(self.proposed_at),
+                "accepted_tokens_total": sum(self.accepted_at),
                 "proposed_per_position": list(self.proposed_at),
                 "accepted_per_position": list(self.accepted_at),
             }

@@ -4,7 +4,11 @@ Each iteration admits waiting requests up to `max_streams`, reads one bounded pr
 slice (so decoding lanes keep a steady inter-token latency while a long prompt is read),
 runs one shared round over every decoding lane, publishes the tokens, and retires
 finished or cancelled lanes, freeing their caches. Other threads talk to it only through
-`submit` / `cancel` and the events a request's `on_event` receives.
+`submit`, `cancel`, `stats` and `end_all`, and receive each request's events through its
+`on_event` (the client in `lanes/client.py` wraps all of this for asyncio callers).
+
+Faults stay with their lanes: an exception in a prefill slice or a round finishes the
+lanes in it with an error event, and the engine goes on with the next iteration.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .detokenize import IncrementalDetokenizer
-from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request
+from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request, Timings
 from .round import RoundRunner
 
 log = logging.getLogger("laneserve.engine")
@@ -41,6 +46,11 @@ class EngineConfig:
     steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
 
 
+def context_error(limit: int, prompt: int, max_tokens: int) -> str:
+    return (f"This model's maximum context length is {limit} tokens; the prompt has {prompt} "
+            f"and max_tokens asks for {max_tokens} ({prompt + max_tokens} in all)")
+
+
 class Engine:
     def __init__(self, target, tokenizer, eos_ids, drafter=None, config: EngineConfig = EngineConfig(), rounds: RoundRunner | None = None):
         if not 1 <= config.max_streams <= target.max_lanes:
@@ -54,15 +64,21 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Lane] = deque()
         self._running: list[Lane] = []
-        self._cancelled: set[str] = set()
+        # Shared with other threads, under _lock: requests not yet finished (by id), how
+        # many of them are not admitted yet, the totals stats() reports, and a pending
+        # order to end every lane.
         self._lock = threading.Lock()
-        self._queued = 0  # requests submitted but not yet admitted
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.completions: dict[str, Completion] = {}
+        self._live: dict[str, Request] = {}
+        self._queued = 0
+        self._totals = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._finished_by_reason: Counter[str] = Counter()
+        self._gauges: dict[str, int] = {"running": 0, "waiting": 0, "prefilling": 0, "kv_bytes_in_use": 0, "kv_bytes_reserved": 0}
+        self._end_all: str | None = None
+        # One driver at a time: the engine thread, or a caller of step()/generate().
+        self._driver = threading.Lock()
+        self.beat = time.monotonic()  # last sign of life of whoever drives the engine
 
-    # ---- other threads ---------------------------------------------------------
+    # ---- any thread ----------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
         """Queue a request; raises RequestError or QueueFull with a message naming why."""
@@ -72,37 +88,61 @@ class Engine:
         if request.max_tokens < 1:
             raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}")
         if prompt_len + request.max_tokens > limit:
-            raise RequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({request.max_tokens}) exceeds the context limit of {limit} tokens"
-            )
+            raise RequestError(context_error(limit, prompt_len, request.max_tokens))
+        vocab = self.target.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt):
+            raise RequestError(f"the prompt holds token ids outside the vocabulary (0..{vocab - 1})")
         with self._lock:
+            if request.id in self._live:
+                raise RequestError(f"a request with id {request.id!r} is already in flight")
             if self._queued >= self.config.max_waiting:
                 raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests); retry later")
+            self._live[request.id] = request
             self._queued += 1
-        self._inbox.put(request)
-        self._wake.set()
+        self._inbox.put((request, Timings(time.monotonic())))
 
-    def cancel(self, request_id: str) -> None:
-        """Drop a request at the next round boundary; its neighbours are unaffected."""
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request at the next round boundary, queued or running; its neighbours are
+        unaffected. False when no such request is in flight."""
         with self._lock:
-            self._cancelled.add(request_id)
-        self._wake.set()
+            request = self._live.get(request_id)
+            if request is None:
+                return False
+            request.cancelled = True
+            return True
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="laneserve-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
+    def end_all(self, reason: str) -> None:
+        """Finish every lane, queued or running, with an error event saying `reason`, at the
+        next iteration (shutdown past its deadline)."""
+        with self._lock:
+            self._end_all = reason
 
     @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._lock:
+            return len(self._live)
 
-    # ---- the engine thread -----------------------------------------------------
+    def stats(self) -> dict:
+        """A snapshot of plain values (lanes, queue, tokens, rounds, drafts, guard, KV bytes)."""
+        with self._lock:
+            snapshot = dict(self._gauges)
+            snapshot.update(
+                queue_depth=self._queued,
+                in_flight=len(self._live),
+                prompt_tokens_total=self._totals["prompt_tokens"],
+                generation_tokens_total=self._totals["generation_tokens"],
+                requests_finished=dict(self._finished_by_reason),
+            )
+        snapshot.update(max_streams=self.config.max_streams, max_waiting=self.config.max_waiting,
+                        context_limit=self.target.context_limit)
+        snapshot.update(self.rounds.counters.snapshot())
+        guard = self.rounds.guard.snapshot()
+        snapshot["guard"] = guard
+        snapshot["guard_drafting"] = {band: int(bool(state.get("drafting"))) for band, state in guard.items()}
+        return snapshot
+
+    # ---- the driver -------------------------------------------------------------------
 
     def warm_up(self) -> None:
         """Prepare to serve; call on the engine thread before the first request.
@@ -112,27 +152,45 @@ class Engine:
         not draft, context folds), at one lane and at `max_streams`, so that what a
         backend builds on first use (kernels, plans) exists before a guard times it.
         What that traffic would teach (guard evidence, calibration, round costs,
-        counters) goes to throwaway instances. Then the cost table is seeded by the
-        round runner's short profile."""
+        counters) goes to throwaway instances, and it counts in no total. Then the cost
+        table is seeded by the round runner's short profile."""
         lanes, vocab = self.config.max_streams, self.target.vocab_size
         rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
         prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
         batches = [
-            [Request(prompt(i), rows, draft=i % 4 != 3) for i in range(lanes)],  # drafted, some lanes plain
-            [Request(prompt(i), rows, draft=False) for i in range(lanes)],  # plain, pipelined
-            [Request(prompt(0), rows)],
+            [Request(prompt(i), rows, draft=i % 4 != 3, id=f"warm-up-{i}") for i in range(lanes)],  # drafted, some plain
+            [Request(prompt(i), rows, draft=False, id=f"warm-up-{i}") for i in range(lanes)],  # plain, pipelined
+            [Request(prompt(0), rows, id="warm-up-0")],
         ]
+        with self._lock:
+            totals, finished = dict(self._totals), Counter(self._finished_by_reason)
         with self.rounds.rehearsal():
             for batch in batches:
-                for done in self.generate(batch):
-                    del self.completions[done.request_id]
+                self.generate(batch)
+        with self._lock:
+            self._totals, self._finished_by_reason = totals, finished
         self.rounds.warm_up(self.config.max_streams)
 
-    def _run(self) -> None:
-        while not self._stopping:
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
+    def run(self, stopping: threading.Event, wake: threading.Event) -> None:
+        """The engine thread's loop: step until `stopping` is set and nothing is in flight
+        (or everything was ended); beat at least every 50 ms while idle."""
+        with self._driver:
+            while True:
+                busy = self._step()
+                if stopping.is_set() and not busy:
+                    return
+                if not busy:
+                    wake.wait(0.05)
+                    wake.clear()
+
+    def step(self) -> bool:
+        """One iteration on the calling thread; False when there was nothing to do."""
+        if not self._driver.acquire(blocking=False):
+            raise RuntimeError("the engine is already driven by another thread (a started client): submit requests to it instead")
+        try:
+            return self._step()
+        finally:
+            self._driver.release()
 
     def run_until_idle(self) -> None:
         """Drive the engine on the calling thread until every request has finished."""
@@ -140,10 +198,13 @@ class Engine:
             pass
 
     def generate(self, requests: list[Request]) -> list[Completion]:
+        """Serve `requests` on the calling thread and return their completions in order."""
+        done: dict[str, Completion] = {}
         for request in requests:
+            request.on_event = _collecting(request.on_event, done)
             self.submit(request)
         self.run_until_idle()
-        return [self.completions[r.id] for r in requests]
+        return [done[r.id] for r in requests]
 
     @property
     def running(self) -> int:
@@ -157,54 +218,81 @@ class Engine:
     def prefilling(self) -> int:
         return sum(lane.state is LaneState.PREFILLING for lane in self._running)
 
-    def step(self) -> bool:
-        """One iteration; False when there was nothing to do."""
-        self._take_inbox()
-        self._drop_cancelled()
-        self._admit()
-        prefilling = [lane for lane in self._running if lane.state is LaneState.PREFILLING]
-        if prefilling:
-            self._prefill_slice(prefilling)
-        decoding = [lane for lane in self._running if lane.state is LaneState.DECODING]
-        if decoding:
-            for lane, event in self.rounds.run(decoding):
-                self._publish(lane, event)
-        else:
+    def _step(self) -> bool:
+        self.beat = time.monotonic()
+        try:
+            self._take_inbox()
+            self._drop_cancelled()
+            self._admit()
+            prefilling = [lane for lane in self._running if lane.state is LaneState.PREFILLING]
+            if prefilling:
+                self._prefill_slice(prefilling)
+            decoding = [lane for lane in self._running if lane.state is LaneState.DECODING and not lane.finished]
+            if decoding:
+                self._round(decoding)
+            else:
+                self.rounds.idle()
+        except Exception as e:  # a fault outside any one slice or round: end what is running, go on
+            log.exception("engine iteration failed")
             self.rounds.idle()
+            for lane in self._running:
+                if not lane.finished:
+                    self._publish(lane, lane.finish(FinishReason.ERROR, f"engine fault: {type(e).__name__}: {e}"))
         self._retire()
+        self._publish_gauges()
         return bool(self._running or self._waiting or not self._inbox.empty())
+
+    def _round(self, decoding: list[Lane]) -> None:
+        try:
+            published = self.rounds.run(decoding)
+        except Exception as e:  # the failure stays with this round's lanes
+            log.exception("round failed for %s", [lane.id for lane in decoding])
+            self.rounds.idle()  # a plain round in flight is dropped with its lanes
+            for lane in decoding:
+                if not lane.finished:
+                    self._publish(lane, lane.finish(FinishReason.ERROR, f"round failed: {type(e).__name__}: {e}"))
+            return
+        for lane, event in published:
+            self._publish(lane, event)
 
     def _take_inbox(self) -> None:
         while True:
             try:
-                request = self._inbox.get_nowait()
+                request, timings = self._inbox.get_nowait()
             except queue.Empty:
                 return
             detokenizer = IncrementalDetokenizer(self.tokenizer.decode)
-            self._waiting.append(Lane(request, self.eos_ids, self.target.context_limit, detokenizer))
+            self._waiting.append(Lane(request, self.eos_ids, self.target.context_limit, detokenizer, timings))
 
     def _drop_cancelled(self) -> None:
         with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
-        if not cancelled:
-            return
+            reason, self._end_all = self._end_all, None
         for lane in [*self._waiting, *self._running]:
-            if lane.id in cancelled and not lane.finished:
+            if lane.finished:
+                continue
+            if reason is not None:
+                self._publish(lane, lane.finish(FinishReason.ERROR, reason))
+            elif lane.request.cancelled:
                 self._publish(lane, lane.finish(FinishReason.CANCELLED))
-        self._waiting = deque(lane for lane in self._waiting if not lane.finished)
-        with self._lock:
-            self._queued = len(self._waiting) + self._inbox.qsize()
+        if any(lane.finished for lane in self._waiting):
+            self._waiting = deque(lane for lane in self._waiting if not lane.finished)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_streams:
             lane = self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
-            lane.target_slot = self.target.open_lane()
-            if self.drafter is not None and lane.request.draft:
-                lane.drafter_slot = self.drafter.open_lane()
+                self._totals["prompt_tokens"] += len(lane.request.prompt)
+            lane.timings.admitted = time.monotonic()
             lane.state = LaneState.PREFILLING
-            self._running.append(lane)
+            self._running.append(lane)  # retired (slots closed) however it ends
+            try:
+                lane.target_slot = self.target.open_lane()
+                if self.drafter is not None and lane.request.draft:
+                    lane.drafter_slot = self.drafter.open_lane()
+            except Exception as e:
+                log.exception("admitting %s failed", lane.id)
+                self._publish(lane, lane.finish(FinishReason.ERROR, f"admission failed: {type(e).__name__}: {e}"))
 
     def _prefill_slice(self, prefilling: list[Lane]) -> None:
         """Read at most `prefill_chunk` prompt tokens, oldest lanes first, several lanes'
@@ -219,36 +307,73 @@ class Engine:
             budget -= len(chunk)
         try:
             logits = self.rounds.prefill(lanes, chunks)
+            read = []
+            for i, (lane, chunk) in enumerate(zip(lanes, chunks)):
+                lane.prefilled += len(chunk)
+                if lane.prefilled == len(lane.request.prompt):
+                    read.append(i)
+            firsts = self.rounds.first_tokens([lanes[i] for i in read], logits[mx.array(read)]) if read else []
         except Exception as e:  # the failure stays with these lanes; the decoding ones go on
             log.exception("prefill failed for %s", [lane.id for lane in lanes])
             for lane in lanes:
-                self._publish(lane, lane.finish(FinishReason.ERROR, f"{type(e).__name__}: {e}"))
+                self._publish(lane, lane.finish(FinishReason.ERROR, f"prefill failed: {type(e).__name__}: {e}"))
             return
-        read = []
-        for i, (lane, chunk) in enumerate(zip(lanes, chunks)):
-            lane.prefilled += len(chunk)
-            if lane.prefilled == len(lane.request.prompt):
-                read.append(i)
-        if read:
-            firsts = self.rounds.first_tokens([lanes[i] for i in read], logits[mx.array(read)])
-            for i, first in zip(read, firsts):
-                lanes[i].state = LaneState.DECODING
-                self._publish(lanes[i], lanes[i].emit([first]))
+        for i, (token, logprob) in zip(read, firsts):
+            lanes[i].state = LaneState.DECODING
+            self._publish(lanes[i], lanes[i].emit([token], None if logprob is None else [logprob]))
 
     def _publish(self, lane: Lane, event: LaneEvent) -> None:
-        if lane.request.on_event is not None:
-            lane.request.on_event(event)
         if event.finish_reason is not None:
-            self.completions[lane.id] = lane.completion()
+            with self._lock:
+                self._live.pop(lane.id, None)
+                if lane.timings.admitted is None:  # ended while queued
+                    self._queued -= 1
+                self._finished_by_reason[event.finish_reason.value] += 1
+        if event.token_ids:
+            with self._lock:
+                self._totals["generation_tokens"] += len(event.token_ids)
+        if lane.request.on_event is not None:
+            try:
+                lane.request.on_event(event)
+            except Exception:  # a consumer's fault must not stop the engine
+                log.exception("event consumer of %s failed", lane.id)
 
     def _retire(self) -> None:
         finished = [lane for lane in self._running if lane.finished]
         if not finished:
             return
         for lane in finished:
-            self.target.close_lane(lane.target_slot)
+            if lane.target_slot is not None:
+                self.target.close_lane(lane.target_slot)
+                lane.target_slot = None
             if lane.drafter_slot is not None:
                 self.drafter.close_lane(lane.drafter_slot)
+                lane.drafter_slot = None
             lane.pending_taps, lane.pending_tokens = [], []
         self._running = [lane for lane in self._running if not lane.finished]
         mx.clear_cache()
+
+    def _publish_gauges(self) -> None:
+        in_use = self.target.kv_bytes_in_use() + (self.drafter.kv_bytes_in_use() if self.drafter is not None else 0)
+        reserved = self.target.kv_bytes() + (self.drafter.kv_bytes() if self.drafter is not None else 0)
+        gauges = {
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "prefilling": self.prefilling,
+            "kv_bytes_in_use": in_use,
+            "kv_bytes_reserved": reserved,
+        }
+        with self._lock:
+            self._gauges = gauges
+
+
+def _collecting(consumer, done: dict[str, Completion]):
+    """An on_event that records the completion of the final event, then passes it on."""
+
+    def on_event(event: LaneEvent) -> None:
+        if event.completion is not None:
+            done[event.request_id] = event.completion
+        if consumer is not None:
+            consumer(event)
+
+    return on_event

@@ -38,6 +38,7 @@ Time comes from the round seconds passed to `record`: no clock is read here.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from lanes.bands import Band
@@ -137,12 +138,17 @@ class DraftGuard:
             raise ValueError(f"warm_rounds cannot be negative, got {warm_rounds}")
         self._warm_rounds = warm_rounds
         self._bands: dict[Band, _BandEvidence] = {}
+        self._lock = threading.Lock()  # snapshot() is read from other threads
 
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
         """Whether the next round of `lanes` decoding lanes at `context_tokens` tokens of
         context (pass the same measure everywhere, e.g. the longest lane's) should draft.
         Changes nothing: evidence only moves in `record`."""
         band = Band.of(lanes, context_tokens)
+        with self._lock:
+            return self._decide(band, lanes, context_tokens)
+
+    def _decide(self, band: Band, lanes: int, context_tokens: int) -> GuardDecision:
         evidence = self._bands.get(band, _BandEvidence())
         drafted, plain = evidence.drafted, evidence.plain
         if drafted.rounds < self._explore_rounds:
@@ -172,6 +178,10 @@ class DraftGuard:
             raise ValueError(f"a round takes positive time, got {round_seconds}")
         if emitted_tokens < 0:
             raise ValueError(f"emitted tokens cannot be negative, got {emitted_tokens}")
+        with self._lock:
+            self._record(decision, round_seconds, emitted_tokens)
+
+    def _record(self, decision: GuardDecision, round_seconds: float, emitted_tokens: int) -> None:
         evidence = self._bands.setdefault(decision.band, _BandEvidence())
         choice = evidence.drafted if decision.draft else evidence.plain
         evidence.seconds += round_seconds
@@ -187,23 +197,30 @@ class DraftGuard:
             evidence.probe_rounds += 1
 
     def snapshot(self) -> dict[str, dict[str, object]]:
-        """Per band (keyed by str(band)), plain values for metrics export."""
+        """Per band (keyed by str(band)), plain values for metrics export; `drafting` is the
+        band's choice for its next round that is not a probe."""
         report = {}
-        for band, evidence in sorted(self._bands.items()):
-            explored = min(evidence.drafted.rounds, evidence.plain.rounds) >= self._explore_rounds
-            report[str(band)] = {
-                "lanes": band.lanes_label,
-                "context": band.context_label,
-                "drafting_wins": evidence.drafting_wins() if explored else None,
-                "drafted_tps": evidence.drafted.tokens_per_second,
-                "plain_tps": evidence.plain.tokens_per_second,
-                "drafted_rounds": evidence.drafted.rounds,
-                "plain_rounds": evidence.plain.rounds,
-                "probe_rounds": evidence.probe_rounds,
-                "probe_seconds": evidence.probe_seconds,
-                "seconds": evidence.seconds,
-            }
+        with self._lock:
+            bands = sorted(self._bands.items())
+            for band, evidence in bands:
+                report[str(band)] = self._band_report(band, evidence)
         return report
+
+    def _band_report(self, band: Band, evidence: _BandEvidence) -> dict[str, object]:
+        explored = min(evidence.drafted.rounds, evidence.plain.rounds) >= self._explore_rounds
+        return {
+            "lanes": band.lanes_label,
+            "context": band.context_label,
+            "drafting": evidence.drafting_wins() if explored else evidence.drafted.rounds < self._explore_rounds,
+            "drafting_wins": evidence.drafting_wins() if explored else None,
+            "drafted_tps": evidence.drafted.tokens_per_second,
+            "plain_tps": evidence.plain.tokens_per_second,
+            "drafted_rounds": evidence.drafted.rounds,
+            "plain_rounds": evidence.plain.rounds,
+            "probe_rounds": evidence.probe_rounds,
+            "probe_seconds": evidence.probe_seconds,
+            "seconds": evidence.seconds,
+        }
 
     def _probe_affordable(self, evidence: _BandEvidence, probe_seconds: float) -> bool:
         return evidence.probe_seconds + probe_seconds <= self._budget * (evidence.seconds + probe_seconds)

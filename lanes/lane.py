@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 import itertools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .detokenize import IncrementalDetokenizer
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from .sampling import SamplingParams
 from .stops import StopMatcher
 
@@ -34,8 +36,16 @@ class Request:
     stop: tuple[str, ...] = ()
     draft: bool = True
     id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
-    # Called on the engine thread with each LaneEvent; the daemon hops it onto its loop.
+    logprobs: int | None = None  # None: off; k: each token's logprob and its k best alternatives
+    # Called on the engine thread with each LaneEvent; the client hops it onto its loop.
     on_event: Callable[[LaneEvent], None] | None = None
+    # Set from any thread; the engine drops the request at its next round boundary. A flag
+    # on the request itself cannot be lost, whether the request is queued or running.
+    cancelled: bool = field(default=False, compare=False)
+
+    def __post_init__(self):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be within 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
 
 @dataclass
@@ -58,12 +68,33 @@ class DraftStats:
 
 
 @dataclass
-class LaneEvent:
-    request_id: str
-    token_ids: list[int]  # new tokens this round
-    text: str  # new text safe to show (stop strings and incomplete UTF-8 held back)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
+class Timings:
+    """time.monotonic() stamps of a request's life (None until reached)."""
+
+    submitted: float
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @staticmethod
+    def _between(start: float | None, end: float | None) -> float:
+        return end - start if start is not None and end is not None else 0.0
+
+    @property
+    def queue_seconds(self) -> float:
+        return self._between(self.submitted, self.admitted)
+
+    @property
+    def prefill_seconds(self) -> float:
+        return self._between(self.admitted, self.first_token)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self._between(self.first_token, self.finished)
+
+    @property
+    def ttft_seconds(self) -> float:
+        return self._between(self.submitted, self.first_token)
 
 
 @dataclass
@@ -75,6 +106,19 @@ class Completion:
     finish_reason: FinishReason
     draft: DraftStats
     error: str | None = None
+    timings: Timings | None = None
+
+
+@dataclass
+class LaneEvent:
+    request_id: str
+    token_ids: list[int]  # new tokens this round
+    text: str  # new text safe to show (stop strings and incomplete UTF-8 held back)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+    time: float = field(default_factory=time.monotonic)
+    completion: Completion | None = None  # on the final event only
 
 
 class LaneState(enum.Enum):
@@ -88,8 +132,10 @@ class Lane:
     """One stream. The target has committed `prompt + generated[:-1]`; the last generated
     token is the anchor, fed at the next round."""
 
-    def __init__(self, request: Request, eos_ids: frozenset[int], context_limit: int, detokenizer: IncrementalDetokenizer):
+    def __init__(self, request: Request, eos_ids: frozenset[int], context_limit: int, detokenizer: IncrementalDetokenizer,
+                 timings: Timings | None = None):
         self.request = request
+        self.timings = timings or Timings(time.monotonic())
         self.seed = request.sampling.seed if request.sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.eos_ids = eos_ids
         self.context_limit = context_limit
@@ -105,7 +151,6 @@ class Lane:
         # Committed rows not yet in the drafter's context: their taps and token ids.
         self.pending_taps: list = []
         self.pending_tokens: list[int] = []
-        self.cancelled = False
         self._detokenizer = detokenizer
         self._stops = StopMatcher(request.stop)
 
@@ -126,6 +171,10 @@ class Lane:
     def context(self) -> int:
         return len(self.request.prompt) + len(self.generated)
 
+    def history(self) -> list[int]:
+        """Every token of the sequence so far (a copy: only repetition penalties need it)."""
+        return self.request.prompt + self.generated
+
     @property
     def remaining(self) -> int:
         """Tokens this lane may still emit."""
@@ -135,9 +184,15 @@ class Lane:
     def finished(self) -> bool:
         return self.state is LaneState.FINISHED
 
-    def emit(self, tokens: list[int]) -> LaneEvent:
-        """Append this round's tokens, stopping at the first eos id, stop string or limit."""
+    def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> LaneEvent:
+        """Append this round's tokens, stopping at the first eos id, stop string or limit.
+
+        Tokens go through the detokenizer and the stop matcher one at a time, so a round
+        that brings several tokens keeps exactly the ids a plain run would: none after the
+        token that completes a stop string."""
         kept: list[int] = []
+        text = ""
+        hit = False
         for token in tokens:
             if self.remaining <= 0:
                 self.finish_reason = FinishReason.LENGTH
@@ -147,24 +202,37 @@ class Lane:
                 break
             kept.append(token)
             self.generated.append(token)
-        text, hit = self._stops.feed(self._detokenizer.add(kept))
-        if hit:
-            self.finish_reason = FinishReason.STOP
-        elif self.finish_reason is None and self.remaining <= 0:
+            safe, hit = self._stops.feed(self._detokenizer.add([token]))
+            text += safe
+            if hit:
+                self.finish_reason = FinishReason.STOP
+                break
+        if self.finish_reason is None and self.remaining <= 0:
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is not None and not hit:
             text += self._stops.feed(self._detokenizer.flush())[0] + self._stops.flush()
         self.text += text
+        if kept and self.timings.first_token is None:
+            self.timings.first_token = time.monotonic()
+        event = LaneEvent(self.id, kept, text, self.finish_reason, logprobs=logprobs[: len(kept)] if logprobs is not None else None)
         if self.finish_reason is not None:
-            self.state = LaneState.FINISHED
-        return LaneEvent(self.id, kept, text, self.finish_reason)
+            self._finish(event)
+        return event
 
     def finish(self, reason: FinishReason, error: str | None = None) -> LaneEvent:
+        """End the lane now (cancel, fault, shutdown): a final event with no tokens."""
         self.finish_reason, self.error = reason, error
+        event = LaneEvent(self.id, [], "", reason, error)
+        self._finish(event)
+        return event
+
+    def _finish(self, event: LaneEvent) -> None:
         self.state = LaneState.FINISHED
-        return LaneEvent(self.id, [], "", reason, error)
+        self.timings.finished = event.time
+        event.completion = self.completion()
 
     def completion(self) -> Completion:
         return Completion(
-            self.id, len(self.request.prompt), list(self.generated), self.text, self.finish_reason, self.stats, self.error
+            self.id, len(self.request.prompt), list(self.generated), self.text, self.finish_reason, self.stats, self.error,
+            self.timings,
         )

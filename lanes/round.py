@@ -21,9 +21,10 @@ from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
+from .logprobs import logprob_arrays, read_logprobs
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
-from .sampling import SAMPLE, SamplingParams, apply_repetition_penalty, draw, filtered_logprobs, lane_uniform
-from .verify import Window, draft_picker, verify
+from .sampling import SamplingParams, apply_repetition_penalty, choose, row_keys
+from .verify import Window, verify
 
 log = logging.getLogger("laneserve.round")
 
@@ -37,16 +38,26 @@ VERIFY_WIDTH_CEILING = 32
 KEY_BUCKET = 256
 
 
-def choose_tokens(logits: mx.array, params: list[SamplingParams], histories: list[list[int]], uniforms: list[float]) -> mx.array:
-    """One token per row: argmax for greedy rows, an inverse-CDF draw from the filtered
-    distribution for the others (lazy; the caller evaluates)."""
+def choose_next(logits: mx.array, lanes: list[Lane], ahead: int = 0) -> mx.array:
+    """Each lane's next token from its row of `logits` (lazy): the token at position
+    `lane.position + 1 + ahead`. Only lanes with a repetition penalty copy their history."""
+    params = [lane.request.sampling for lane in lanes]
     if any(p.repetition_penalty != 1.0 for p in params):
+        histories = [lane.history() if p.repetition_penalty != 1.0 else [] for lane, p in zip(lanes, params)]
         logits = apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    keys = [row_keys(lane.seed, p, lane.position + 1 + ahead, 1)[0] for lane, p in zip(lanes, params)]
+    return choose(logits, params, keys)
+
+
+def drafter_pick(lanes: list[Lane], width: int):
+    """The drafter's `pick(logits, k)`: each lane's own choice rule over the chain logits
+    of block row k, with the noise the target will draw with at that position, so a
+    sampled proposal tracks the target's own draw. None (argmax) when all are greedy."""
+    params = [lane.request.sampling for lane in lanes]
     if all(p.greedy for p in params):
-        return greedy
-    sampled = draw(mx.exp(filtered_logprobs(logits, params)), mx.array(uniforms, dtype=mx.float32))
-    return mx.where(mx.array([p.greedy for p in params]), greedy, sampled)
+        return None
+    keys = [row_keys(lane.seed, p, lane.position + 1, width) for lane, p in zip(lanes, params)]
+    return lambda logits, k: choose(logits, params, [row[k] for row in keys])
 
 
 @dataclass
@@ -59,6 +70,7 @@ class PlainDispatch:
     anchors: list[int] | None  # host ids of the rows fed (known once the round before lands)
     started: float
     pipelined: bool
+    logprobs: list[mx.array] = field(default_factory=list)  # lazy, for lanes that asked
     decision: GuardDecision | None = None
     context: int = 0
 
@@ -217,15 +229,15 @@ class RoundRunner:
         self._fold_pending(drafting, limit=PENDING_TAPS_LIMIT)
         return out.logits
 
-    def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[int]:
-        """Each lane's first generated token, from its prompt's last-row logits."""
-        tokens = choose_tokens(
-            logits,
-            [lane.request.sampling for lane in lanes],
-            [lane.request.prompt for lane in lanes],
-            [lane_uniform(lane.seed, len(lane.request.prompt), SAMPLE) for lane in lanes],
-        )
-        return tokens.tolist()
+    def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[tuple[int, object]]:
+        """Each lane's first generated token (and its logprob entry, None unless asked),
+        from its prompt's last-row logits."""
+        tokens = choose_next(logits, lanes)
+        wanted = [lane.request.logprobs for lane in lanes]
+        lp = logprob_arrays(logits, tokens, wanted)
+        mx.eval(tokens, *lp)
+        chosen = tokens.tolist()
+        return list(zip(chosen, read_logprobs(lp, chosen, wanted)))
 
     # ---- rounds --------------------------------------------------------------------
 
@@ -311,14 +323,13 @@ class RoundRunner:
         fed = anchors if lag else [[a] for a in anchors]
         out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self._taps(want_taps),
                                   key_bucket=self._plain_key_bucket(len(lanes)))
-        uniforms = [lane_uniform(lane.seed, lane.position + 1 + lag, SAMPLE) for lane in lanes]
-        histories = [lane.request.prompt + lane.generated for lane in lanes]
-        tokens = choose_tokens(out.logits, [lane.request.sampling for lane in lanes], histories, uniforms)
+        tokens = choose_next(out.logits, lanes, ahead=lag)
+        logprobs = logprob_arrays(out.logits, tokens, [lane.request.logprobs for lane in lanes])
         self.target.commit(out, [1] * len(lanes))
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
         # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
-        mx.async_eval(tokens, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
-        return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag))
+        mx.async_eval(tokens, *logprobs, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
+        return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag), logprobs=logprobs)
 
     def _land_inflight(self) -> list:
         if self._inflight is None:
@@ -330,15 +341,16 @@ class RoundRunner:
     def _land(self, dispatch: PlainDispatch) -> tuple[list, list[int]]:
         """Read a dispatched round's tokens, emit them, account for the round."""
         tokens = dispatch.tokens.tolist()
+        logprobs = read_logprobs(dispatch.logprobs, tokens, [lane.request.logprobs for lane in dispatch.lanes])
         events = []
-        for i, (lane, token) in enumerate(zip(dispatch.lanes, tokens)):
+        for i, (lane, token, logprob) in enumerate(zip(dispatch.lanes, tokens, logprobs)):
             if lane.finished:  # it ended in the round before; this row was a wasted step
                 continue
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(dispatch.out.taps[i : i + 1])
                 lane.pending_tokens.append(dispatch.anchors[i])
             lane.stats.rounds += 1
-            events.append((lane, lane.emit([token])))
+            events.append((lane, lane.emit([token], None if logprob is None else [logprob])))
         self._fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         now = self.clock()
         # Pipelined rounds overlap: a round's time is the interval between landings.
@@ -370,10 +382,7 @@ class RoundRunner:
         # 1. Draft: bring the drafting lanes' contexts up to date, one batched proposal.
         self._fold_pending(drafting)
         g = self.proposals
-        params = [lane.request.sampling for lane in drafting]
-        seeds = [lane.seed for lane in drafting]
-        positions = [lane.position for lane in drafting]
-        pick = draft_picker(params, seeds, positions, g)
+        pick = drafter_pick(drafting, g)
         proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g, pick)
         mx.eval(proposal.arrays())
         problems = self.drafter.validate(proposal)
@@ -413,20 +422,23 @@ class RoundRunner:
         for lane in lanes:
             r = row_of.get(id(lane))
             window_drafts = drafts[r][: depths[r]] if r is not None else []
-            windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.request.prompt + lane.generated,
-                                  window_drafts, r))
+            penalised = lane.request.sampling.repetition_penalty != 1.0
+            windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.history() if penalised else [],
+                                  window_drafts, lane.request.logprobs))
         # Every lane feeds the same number of rows, padded past its window with its last
         # token: rows after a lane's window are never kept, never seen by its real rows
-        # (they sit at later positions), and one width per round keeps shapes steady.
+        # (they sit at later positions), and one width per round keeps shapes steady. A
+        # lane near the context limit pads only up to it (its window already fits).
         width = self._verify_width(max(w.rows for w in windows))
+        limit = self.target.context_limit
         fed = [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)]
         out = self.target.forward(
             [lane.target_slot for lane in lanes],
-            [rows + rows[-1:] * (width - len(rows)) for rows in fed],
+            [rows + rows[-1:] * (min(width, limit - lane.position) - len(rows)) for lane, rows in zip(lanes, fed)],
             taps=self.drafter.tap_layers,
             key_bucket=KEY_BUCKET,
         )
-        outcomes = verify(out.logits, out.row_starts, windows, proposal.logits)
+        outcomes = verify(out.logits, out.row_starts, windows)
 
         # 4. Commit and emit.
         self.target.commit(out, [1 + o.accepted for o in outcomes])
@@ -449,10 +461,10 @@ class RoundRunner:
                 for k in range(depth):
                     proposed_at[k] += 1
                     accepted_at[k] += k < outcome.accepted
-            events.append((lane, lane.emit(window.drafts[: outcome.accepted] + [outcome.token])))
+            events.append((lane, lane.emit(outcome.tokens, outcome.logprobs)))
         self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport(
-            "drafted", len(lanes), len(lanes) * width, emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
+            "drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
         )
         return events, report

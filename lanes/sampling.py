@@ -1,10 +1,14 @@
-"""Sampling on device: the filtered distribution of a row, and draws from it.
+"""Sampling on device: the filtered distribution of a row, and exact seeded draws from it.
 
 Every row carries its own parameters, so one batch of ops serves all lanes of a round.
-The same filter shapes the target's p and the drafter's q, which is what keeps
-speculative rejection sampling lossless. Draws use inverse-CDF sampling with one host
-uniform per row, taken from the lane's own counter-based stream (`lane_uniform`), so a
-lane's randomness never depends on which other lanes share its round.
+
+A sampled token is a deterministic function of (the request's seed, the token's
+position, the target's filtered distribution there): Gumbel-max, token =
+argmax(log p + g) with g drawn from a counter-based hash keyed by (seed, position) over
+the vocabulary. Its law is exactly p. The drafter proposes with the same noise over its
+own distribution, and a draft is kept exactly when it equals the target's own draw at
+its position, as in greedy; so drafted output equals plain output token for token at
+every temperature, whoever shares the round and whatever the guards decide.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-# Purposes of a lane's uniforms, so no two decisions at one position share a draw.
-SAMPLE, ACCEPT, RESIDUAL, DRAFT = range(4)
+_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # spreads consecutive vocabulary indices over the hash's input
 
 
 @dataclass(frozen=True)
@@ -44,15 +48,73 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def lane_uniform(seed: int, position: int, purpose: int, index: int = 0) -> float:
-    """A uniform in [0, 1) fixed by (seed, position, purpose, index): counter-based, so the
-    draw for a token depends on nothing but the lane's own request and the token's place."""
-    return float(np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, position, purpose, index]).random())
+# ---- the counter-based noise ---------------------------------------------------------
+
+
+def mix32(x: int) -> int:
+    """A 32-bit integer hash with full avalanche (lowbias32), on the host."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    x ^= x >> 16
+    return x
+
+
+def _mix32_device(x: mx.array) -> mx.array:
+    """`mix32` on uint32 arrays (products wrap modulo 2^32, as on the host)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, dtype=mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 32-bit key of the noise for the token at `position` of a request seeded `seed`."""
+    seed &= 0xFFFFFFFFFFFFFFFF
+    return mix32((seed & _MASK32) ^ mix32((seed >> 32) ^ mix32(position)))
+
+
+def gumbel_noise(keys: list[int], vocab: int) -> mx.array:
+    """[R, V] standard Gumbel noise, row r keyed by `keys[r]` (see `noise_key`): the same
+    key gives the same noise on every backend, since it is integer arithmetic up to the
+    final float transform."""
+    key = mx.array(keys, dtype=mx.uint32)[:, None]
+    index = mx.arange(vocab, dtype=mx.uint32)[None, :] * mx.array(_GOLDEN, dtype=mx.uint32)
+    bits = _mix32_device(_mix32_device(key ^ index) + key)
+    # 23 random bits -> v uniform strictly inside (0, 1), every value exact in float32;
+    # with u = 1 - v, the Gumbel -log(-log u) is spelled with log1p so that float32 keeps
+    # its upper tail (u near 1) accurate.
+    v = (bits >> 9).astype(mx.float32) * (2.0**-23) + 2.0**-24
+    return -mx.log(-mx.log1p(-v))
+
+
+def gumbel_noise_reference(key: int, vocab: int) -> np.ndarray:
+    """`gumbel_noise` for one row in float64 numpy: the independent check of the device code."""
+    index = (np.arange(vocab, dtype=np.uint64) * _GOLDEN) & _MASK32
+
+    def mix(x):
+        x = x & _MASK32
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & _MASK32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & _MASK32
+        return x ^ (x >> 16)
+
+    bits = mix((mix(np.uint64(key) ^ index) + np.uint64(key)) & _MASK32)
+    v = (bits >> 9).astype(np.float64) * 2.0**-23 + 2.0**-24
+    return -np.log(-np.log1p(-v))
+
+
+# ---- filtering and drawing -----------------------------------------------------------
 
 
 def apply_repetition_penalty(logits: mx.array, histories: list[list[int]], penalties: list[float]) -> mx.array:
     """CTRL-style penalty: a seen token's logit is divided by the penalty when positive and
-    multiplied when negative. Row r penalises the tokens in `histories[r]`."""
+    multiplied when negative. Row r penalises the tokens in `histories[r]`. Returns new
+    logits; the given ones are left as they are."""
     rows, cols = [], []
     factors = []
     for r, (seen, penalty) in enumerate(zip(histories, penalties)):
@@ -65,10 +127,9 @@ def apply_repetition_penalty(logits: mx.array, histories: list[list[int]], penal
     if not rows:
         return logits
     rows_a, cols_a = mx.array(rows), mx.array(cols)
-    picked = logits[rows_a, cols_a]
     factor = mx.array(factors, dtype=logits.dtype)
-    logits[rows_a, cols_a] = mx.where(picked > 0, picked / factor, picked * factor)
-    return logits
+    scale = mx.where(logits[rows_a, cols_a] > 0, 1 / factor, factor)
+    return logits.at[rows_a, cols_a].multiply(scale)  # a new array: the raw logits stay as they were
 
 
 def filtered_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.array:
@@ -101,8 +162,21 @@ def filtered_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.arra
     return logprobs
 
 
-def draw(probs: mx.array, uniforms: mx.array) -> mx.array:
-    """Inverse-CDF draws: row r takes the first token whose cumulative mass exceeds u_r."""
-    cdf = mx.cumsum(probs, axis=-1)
-    u = uniforms[:, None] * cdf[:, -1:]
-    return mx.minimum(mx.sum(cdf <= u, axis=-1), probs.shape[-1] - 1).astype(mx.int32)
+def choose(logits: mx.array, params: list[SamplingParams], keys: list[int]) -> mx.array:
+    """One token per row (lazy): argmax for greedy rows; for the others the Gumbel-max draw
+    argmax(log p + g) from the filtered distribution p, with noise keyed by `keys[r]`
+    (ignored for greedy rows)."""
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if all(p.greedy for p in params):
+        return greedy
+    noisy = filtered_logprobs(logits, params) + gumbel_noise(keys, logits.shape[-1])
+    sampled = mx.argmax(noisy, axis=-1).astype(mx.int32)
+    return mx.where(mx.array([p.greedy for p in params]), greedy, sampled)
+
+
+def row_keys(seed: int, params: SamplingParams, first_position: int, rows: int) -> list[int]:
+    """The noise keys of `rows` consecutive tokens from `first_position` (zeros for greedy
+    lanes, which draw no noise: no host work per step for them)."""
+    if params.greedy:
+        return [0] * rows
+    return [noise_key(seed, first_position + k) for k in range(rows)]

@@ -21,6 +21,9 @@ class AlwaysDraft:
     def record(self, decision, round_seconds, emitted_tokens) -> None:
         pass
 
+    def snapshot(self) -> dict:
+        return {}
+
 
 def flat_costs(max_rows: int = 1024) -> CostTable:
     costs = CostTable()

@@ -3,7 +3,6 @@ frees memory, long prompts are read in slices, limits refuse by name."""
 
 from __future__ import annotations
 
-import queue
 import threading
 
 import mlx.core as mx
@@ -13,6 +12,7 @@ import pytest
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
 from lanes.lane import FinishReason, Request
@@ -53,11 +53,20 @@ def sequences(solo):
     return [p + s for p, s in zip(PROMPTS, solo)]
 
 
+class Finished(dict):
+    """An on_event that keeps each request's completion, by id."""
+
+    def __call__(self, event):
+        if event.completion is not None:
+            self[event.request_id] = event.completion
+
+
 @pytest.mark.parametrize("mode, steady", [("plain", False), ("drafted", False), ("mixed", False), ("plain", True), ("mixed", True)])
 def test_sixteen_concurrent_replies_equal_their_solo_runs(mode, steady, dense_dir, drafter_dir, solo):
     # steady: rounds padded to the shape buckets a CUDA backend gets (rows, key spans).
     engine = make_engine(dense_dir, None if mode == "plain" else drafter_dir, sequences(solo), timed=False, steady_shapes=steady)
-    requests = [Request(p, n, draft=mode == "drafted" or i % 2 == 0) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    done = Finished()
+    requests = [Request(p, n, draft=mode == "drafted" or i % 2 == 0, on_event=done) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
     # Half arrive while the first half is already decoding.
     for request in requests[:8]:
         engine.submit(request)
@@ -66,11 +75,11 @@ def test_sixteen_concurrent_replies_equal_their_solo_runs(mode, steady, dense_di
     for request in requests[8:]:
         engine.submit(request)
     engine.run_until_idle()
-    assert [engine.completions[r.id].token_ids for r in requests] == solo
+    assert [done[r.id].token_ids for r in requests] == solo
     counters = engine.rounds.counters.snapshot()
     assert counters["emitted_tokens"] == sum(len(t) for t in solo) - len(solo)  # first tokens come from prefill
     if mode != "plain":
-        accepted = sum(engine.completions[r.id].draft.accepted for r in requests)
+        accepted = sum(done[r.id].draft.accepted for r in requests)
         assert accepted > 0 and sum(counters["accepted_per_position"]) == accepted
         assert counters["rounds_by_kind"].get("drafted", 0) > 0 and counters["guard_reasons"]
 
@@ -79,21 +88,22 @@ def test_cancelling_lanes_changes_nothing_else_and_frees_memory(dense_dir, draft
     engine = make_engine(dense_dir, drafter_dir, sequences(solo))
     mx.clear_cache()
     idle = mx.get_active_memory()
-    requests = [Request(p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    finished = Finished()
+    requests = [Request(p, n, on_event=finished) for p, n in zip(PROMPTS, LENGTHS)]
     for request in requests:
         engine.submit(request)
     for _ in range(3):
         engine.step()
-    cancelled = {r.id for r in requests if r.id not in engine.completions}
+    cancelled = {r.id for r in requests if r.id not in finished}
     cancelled = set(sorted(cancelled)[::3])
     assert len(cancelled) >= 3
     for request_id in cancelled:
         engine.cancel(request_id)
     engine.step()  # the next round boundary drops them
-    assert all(engine.completions[i].finish_reason is FinishReason.CANCELLED for i in cancelled)
+    assert all(finished[i].finish_reason is FinishReason.CANCELLED for i in cancelled)
     engine.run_until_idle()
     for request, expected in zip(requests, solo):
-        done = engine.completions[request.id]
+        done = finished[request.id]
         if request.id in cancelled:
             assert done.finish_reason is FinishReason.CANCELLED
             assert done.token_ids == expected[: len(done.token_ids)]
@@ -108,9 +118,12 @@ def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
     chunk = 64
     engine = make_engine(dense_dir, prefill_chunk=chunk)
     emitted: dict[str, int] = {}  # events (rounds with output) per request
+    ended: set[str] = set()
 
     def count(event):
         emitted[event.request_id] = emitted.get(event.request_id, 0) + 1
+        if event.finish_reason is not None:
+            ended.add(event.request_id)
 
     decoders = [Request(p, 200, on_event=count) for p in PROMPTS[:15]]  # eos may end a few early
     for request in decoders:
@@ -122,7 +135,7 @@ def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
     engine.submit(reader)
     slices = 0
     while emitted.get(reader.id, 0) == 0:
-        before = {r.id: emitted[r.id] for r in decoders if r.id not in engine.completions}
+        before = {r.id: emitted[r.id] for r in decoders if r.id not in ended}
         engine.step()
         slices += 1
         # Every decoding lane got its token in the same iteration as one prefill slice.
@@ -143,7 +156,7 @@ def test_the_queue_bound_refuses_by_name(dense_dir):
 
 def test_requests_past_the_limits_are_refused_by_name(dense_dir):
     engine = make_engine(dense_dir, lanes=1)
-    with pytest.raises(RequestError, match="exceeds the context limit of 4096 tokens"):
+    with pytest.raises(RequestError, match="maximum context length is 4096 tokens; the prompt has 4 and max_tokens asks for 4096"):
         engine.submit(Request(PROMPTS[0], 4096))
     with pytest.raises(RequestError, match="the prompt is empty"):
         engine.submit(Request([], 4))
@@ -164,26 +177,24 @@ def test_stop_strings_cut_the_text_across_token_boundaries(dense_dir):
 
 
 def test_the_engine_thread_serves_requests_from_other_threads(dense_dir, solo):
-    engine = make_engine(dense_dir)
-    events: queue.Queue = queue.Queue()
-    engine.start()
+    client = EngineClient(make_engine(dense_dir))
+    client.start()
     try:
-        requests = [Request(p, n, on_event=events.put) for p, n in zip(PROMPTS[:6], LENGTHS[:6])]
-        senders = [threading.Thread(target=engine.submit, args=(r,)) for r in requests]
+        requests = [Request(p, n) for p, n in zip(PROMPTS[:6], LENGTHS[:6])]
+        results: dict[str, list[int]] = {}
+
+        def ask(request):  # each sender thread on its own asyncio loop
+            results[request.id] = client.generate([request])[0].token_ids
+
+        senders = [threading.Thread(target=ask, args=(r,)) for r in requests]
         for t in senders:
             t.start()
         for t in senders:
-            t.join()
-        finished: dict[str, list[int]] = {r.id: [] for r in requests}
-        done = 0
-        while done < len(requests):
-            event = events.get(timeout=60)
-            finished[event.request_id] += event.token_ids
-            done += event.finish_reason is not None
-        assert [finished[r.id] for r in requests] == solo[:6]
-        assert engine.alive
+            t.join(timeout=120)
+        assert [results[r.id] for r in requests] == solo[:6]
+        assert client.health().ok
     finally:
-        engine.stop()
+        client.shutdown(0)
 
 
 def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, drafter_dir, solo):
@@ -199,7 +210,8 @@ def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, draf
     assert 1 in proposals and max(proposals) > 1  # drafted rounds at one lane and at several
     assert engine.rounds.guard.snapshot() == {}
     assert engine.rounds.counters.snapshot()["rounds_by_kind"] == {}
-    assert engine.completions == {} and engine.running == 0
+    assert engine.in_flight == 0 and engine.running == 0
+    assert engine.stats()["prompt_tokens_total"] == 0 and engine.stats()["requests_finished"] == {}
     assert engine.rounds.costs.estimate(4, 4, 64) > 0  # seeded by the profile
     assert mx.get_active_memory() <= before + (1 << 20)  # its lanes gave their caches back
     # And the engine serves exactly as before.

@@ -223,7 +223,7 @@ class SparseMoE(nn.Module):
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-6)
         weights = (weights * self.scaling).astype(x.dtype)
         y = (self.experts(x, chosen) * weights[..., None]).sum(axis=-2)
-        return y.reshape(*lead, -1)
+        return y.reshape(*lead, -1).astype(x.dtype)  # experts may run wider (float32 on the CPU: see loader)
 
 
 class DecoderLayer(nn.Module):

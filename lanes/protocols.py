@@ -1,0 +1,84 @@
+"""What the lane core needs from a model family, named: a target that runs ragged rounds
+and commits them, and a drafter that proposes blocks with confidences.
+
+`families/lfm2` implements both (`Lfm2Target`, `DSparkDrafter`); a second family is one
+new folder implementing them. The lane core holds a lane's caches only as opaque
+handles (`LaneCache`) and reads nothing of a forward's output but what is named here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import mlx.core as mx
+
+
+class LaneCache(Protocol):
+    """A lane's place in a model's caches."""
+
+    length: int  # tokens committed (target) or rows of context (drafter)
+
+
+class RoundOutput(Protocol):
+    """One forward's lazily evaluated results, rows packed in the order lanes were given."""
+
+    logits: mx.array  # [rows, V]
+    taps: mx.array | None  # [rows, n_taps * H]: the residuals a drafter reads
+    row_starts: list[int]  # first packed row of each lane
+    widths: list[int]  # rows each lane fed
+
+
+class Target(Protocol):
+    max_lanes: int
+    vocab_size: int
+    context_limit: int
+
+    def open_lane(self) -> LaneCache: ...
+    def close_lane(self, lane: LaneCache) -> None: ...
+
+    def forward(self, lanes: list[LaneCache], tokens: list[list[int]] | mx.array, *, logits: str = "all",
+                taps: tuple[int, ...] = (), key_bucket: int = 1) -> RoundOutput:
+        """Lane i feeds `tokens[i]` at its next positions (or, given a lazy [N] array, one
+        row each); nothing is kept until `commit`."""
+
+    def commit(self, output: RoundOutput, kept: list[int]) -> None:
+        """Keep the first `kept[i]` rows of lane i; drop the rest."""
+
+    def state_arrays(self) -> list[mx.array]:
+        """Every cache array, to evaluate a round's writes with its outputs."""
+
+    def kv_bytes(self) -> int: ...
+    def kv_bytes_in_use(self) -> int: ...
+
+
+class Proposal(Protocol):
+    tokens: mx.array  # [N, g] drafts
+    confidences: mx.array | None  # [N, g] chance each survives given the ones before it did
+
+    def arrays(self) -> list[mx.array]:
+        """What to evaluate together before reading the proposal."""
+
+
+Pick = Callable[[mx.array, int], mx.array]  # (chain logits [N, V] of block row k, k) -> tokens [N]
+
+
+class Drafter(Protocol):
+    tap_layers: tuple[int, ...]  # the target layers whose residuals it reads
+    width: int  # default proposals per round
+
+    def open_lane(self) -> LaneCache: ...
+    def close_lane(self, lane: LaneCache) -> None: ...
+
+    def append(self, lanes: list[LaneCache], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
+        """Add newly committed rows (their taps and token ids) to each lane's context."""
+
+    def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None) -> Proposal:
+        """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward."""
+
+    def validate(self, proposal: Proposal) -> list[Exception | None]:
+        """Per lane: None when its drafts may be verified, else the error that makes its round plain."""
+
+    def state_arrays(self) -> list[mx.array]: ...
+    def kv_bytes(self) -> int: ...
+    def kv_bytes_in_use(self) -> int: ...

@@ -1,0 +1,65 @@
+"""Acceptance and seeded sampling: the prefix rule, the counter-based Gumbel noise against
+an independent numpy reference, and draws that follow the filtered distribution exactly."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from lanes.acceptance import greedy_accept_length
+from lanes.sampling import SamplingParams, choose, filtered_logprobs, gumbel_noise, gumbel_noise_reference, noise_key, row_keys
+
+
+def test_accepts_the_matching_prefix():
+    assert greedy_accept_length([5, 6, 7], [5, 6, 9, 1]) == 2  # 7 != 9
+    assert greedy_accept_length([5, 6, 7], [5, 6, 7, 8]) == 3  # all match; 8 is the bonus row
+    assert greedy_accept_length([5, 6, 7], [4, 6, 7, 8]) == 0  # later matches do not count
+    assert greedy_accept_length([], [3]) == 0
+    with pytest.raises(ValueError):
+        greedy_accept_length([5, 6], [5])
+
+
+def test_noise_matches_the_numpy_reference_and_is_gumbel():
+    keys = [noise_key(2**63 + 12345, 7), noise_key(0, 0), noise_key(99, 4096)]
+    noise = np.array(gumbel_noise(keys, 20_000))
+    for row, key in zip(noise, keys):
+        assert np.abs(row - gumbel_noise_reference(key, 20_000)).max() < 1e-4  # float32 logs
+        # Standard Gumbel: mean = Euler's gamma, variance = pi^2 / 6.
+        assert row.mean() == pytest.approx(np.euler_gamma, abs=0.04)
+        assert row.var() == pytest.approx(np.pi**2 / 6, rel=0.06)
+    assert not np.allclose(noise[0], noise[1])
+
+
+def test_keys_depend_on_seed_and_position_only():
+    assert noise_key(5, 10) == noise_key(5, 10)
+    assert len({noise_key(s, p) for s in range(30) for p in range(30)}) == 900
+    assert row_keys(5, SamplingParams(temperature=0.7), 10, 3) == [noise_key(5, 10), noise_key(5, 11), noise_key(5, 12)]
+    assert row_keys(5, SamplingParams(), 10, 3) == [0, 0, 0]  # greedy lanes draw no noise
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=0.05),
+])
+def test_seeded_draws_follow_the_filtered_distribution(params):
+    # Chi-square over many seeds at one position: the Gumbel-max draw's law is exactly p.
+    vocab, draws = 12, 6000
+    logits = mx.array(np.random.default_rng(3).normal(0, 1.5, (1, vocab)), dtype=mx.float32)
+    p = np.exp(np.array(filtered_logprobs(logits, [params]))[0])
+    tokens = np.array(choose(mx.repeat(logits, draws, axis=0), [params] * draws, [noise_key(s, 17) for s in range(draws)]))
+    counts = np.bincount(tokens, minlength=vocab)
+    assert counts[p == 0].sum() == 0  # filtered tokens are never drawn
+    kept = p > 0
+    expected = p[kept] * draws
+    chi2 = (((counts[kept] - expected) ** 2) / expected).sum()
+    # The 99.9% quantile of chi-square with (kept - 1) degrees of freedom is below 2.5 x dof + 12.
+    assert chi2 < 2.5 * (kept.sum() - 1) + 12, (chi2, counts, expected)
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = mx.array([[0.0, 3.0, 1.0], [5.0, 0.0, 4.9]])
+    tokens = choose(logits, [SamplingParams(), SamplingParams(temperature=1.0)], [0, noise_key(1, 1)])
+    assert tokens.tolist()[0] == 1
+    same = choose(logits, [SamplingParams(), SamplingParams(temperature=1.0)], [0, noise_key(1, 1)])
+    assert same.tolist() == tokens.tolist()  # a key reproduces its draw
