@@ -32,11 +32,22 @@ class UsageError(Exception):
     """A command line that cannot be served as given."""
 
 
-def _prompt_ids(text: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
+    """Comma-separated integers. Parsed after argparse, not as its `type=`: argparse lets
+    only its own error types out of a converter as a usage message."""
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise UsageError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def argv_text(text: str, flag: str) -> str:
+    """Text from the command line, which Python decodes with surrogate escapes: bytes that
+    are not UTF-8 arrive as lone surrogates no tokenizer can read."""
+    bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
+    if bad is not None:
+        raise UsageError(f"{flag} is not valid UTF-8 (byte 0x{ord(text[bad]) - 0xDC00:02x} at character {bad})")
+    return text
 
 
 def add_generate(sub) -> None:
@@ -46,7 +57,7 @@ def add_generate(sub) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="raw prompt text (the tokenizer adds <|startoftext|>)")
     source.add_argument("--chat", help="one user message, rendered with the checkpoint's chat template")
-    source.add_argument("--prompt-ids", type=_prompt_ids, help="prompt token ids, comma-separated")
+    source.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     p.add_argument("--max-tokens", type=int, default=128)
     sampling = p.add_argument_group("sampling (default: the checkpoint's generation_config.json, else greedy and unfiltered)")
     sampling.add_argument("--temperature", type=float, help="0 = greedy")
@@ -112,25 +123,30 @@ def sampling_params(args) -> SamplingParams:
 
 
 def run_generate(args) -> int:
+    # Everything the flags alone decide is checked before the weights are read.
     resolve_models(args)
     sampling = sampling_params(args)
+    stops = tuple(argv_text(stop, "--stop") for stop in args.stop)
+    prompt_ids = int_list(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else None
+    chat = argv_text(args.chat, "--chat") if args.chat is not None else None
+    raw = argv_text(args.prompt, "--prompt") if args.prompt is not None else None
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
     tokenizer = loaded.tokenizer
-    if args.prompt_ids is not None:
-        prompt = args.prompt_ids
+    if prompt_ids is not None:
+        prompt = prompt_ids
         bad = [t for t in prompt if not 0 <= t < loaded.target.vocab_size]
         if bad:
             raise UsageError(f"--prompt-ids holds ids outside the vocabulary (0..{loaded.target.vocab_size - 1}): {bad}")
-    elif args.chat is not None:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": args.chat}])
+    elif chat is not None:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": chat}])
     else:
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode(raw)
     drafter = open_drafter(args, loaded)
     engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
     if drafter is not None and args.draft_width is None and not args.no_draft:
         engine.warm_up()
     started = time.perf_counter()
-    done = engine.generate([Request(prompt, args.max_tokens, sampling, tuple(args.stop), draft=not args.no_draft)])[0]
+    done = engine.generate([Request(prompt, args.max_tokens, sampling, stops, draft=not args.no_draft)])[0]
     seconds = time.perf_counter() - started
     if done.error:
         raise UsageError(done.error)
@@ -179,7 +195,7 @@ def run_make_tiny(args) -> int:
             raise UsageError("make-tiny --kind dspark needs --target DIR (the target it drafts for)")
         out = make_tiny_drafter(
             args.out, args.target, args.seed, layers=given.get("layers", 2), block_size=args.block_size,
-            taps=[int(t) for t in args.taps.split(",")] if args.taps else None, rank=args.rank,
+            taps=int_list(args.taps, "--taps") if args.taps else None, rank=args.rank,
             heads=given.get("heads", 4), kv_heads=given.get("kv_heads", 2), head_dim=args.head_dim,
             intermediate=args.intermediate, rope_theta=given.get("rope_theta", 1e4), dtype=args.dtype,
         )
@@ -198,12 +214,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def configure_logging(name: str) -> None:
+    level = logging.getLevelNamesMapping().get(name.upper())
+    if level is None:
+        raise UsageError(f"--log-level {name!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        configure_logging(args.log_level)
         return args.run(args)
-    except (CheckpointError, RequestError, QueueFull, UsageError, ValueError) as e:
+    except (CheckpointError, RequestError, QueueFull, UsageError, ValueError, OSError) as e:
         print(f"laneserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -144,6 +144,8 @@ class Lfm2Config:
             raise CheckpointError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         if heads % kv_heads:
             raise CheckpointError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        if (hidden // heads) % 2:
+            raise CheckpointError(f"config.json hidden_size / num_attention_heads = {hidden // heads} is odd; RoPE rotates pairs")
         eps = raw.get("norm_eps", 1e-5)
         if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
             raise CheckpointError(f"config.json 'norm_eps' must be a finite positive number, got {eps!r}")

@@ -159,9 +159,16 @@ def load_model(path: str | Path, dtype: str | None = None) -> tuple[Lfm2Model, L
         )
     check_shapes(model, tensors)
     target_dtype = DTYPES[dtype] if dtype else None
+    # MLX's CPU gather_mm runs only in float32, so there the routed experts stay float32
+    # whatever the other weights run in; the MoE block casts its output back.
+    float32_experts = cfg.is_moe and mx.default_device() == mx.cpu
+    if float32_experts and dtype in ("float16", "bfloat16"):
+        log.info("MoE experts run in float32 on the CPU (MLX's CPU gather_mm supports only float32)")
 
     def prepared(name: str, value: mx.array) -> mx.array:
         if name.endswith("expert_bias") or name.endswith("feed_forward.gate.weight"):
+            return value.astype(mx.float32)
+        if float32_experts and ".feed_forward.experts." in name and mx.issubdtype(value.dtype, mx.floating) and not name.endswith(QUANT_PARTS):
             return value.astype(mx.float32)
         if target_dtype is not None and mx.issubdtype(value.dtype, mx.floating) and not name.endswith(QUANT_PARTS):
             return value.astype(target_dtype)

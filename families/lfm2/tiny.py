@@ -11,13 +11,18 @@ by float noise.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from .bpe import BOS, IM_END, PAD, EOS_TEXT, save_tokenizer, train_bpe
+from .bpe import BOS, IM_END, PAD, EOS_TEXT, SPECIAL_TOKENS, save_tokenizer, train_bpe
+from .config import CheckpointError, Lfm2Config
 
 # Text the tiny tokenizer learns its merges from (fixed, so every machine builds the same one).
 TOKENIZER_TEXT = [
@@ -164,6 +169,43 @@ def save_tensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None
         save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def checked_target_config(kind: str, shape: TinyShape, dtype: str) -> dict:
+    """The config.json `shape` would write, refused (ValueError naming the field) where
+    laneserve would refuse to load it or the tiny maker cannot build it."""
+    config = target_config(kind, shape, dtype)
+    try:
+        Lfm2Config.from_dict(config)
+    except CheckpointError as e:
+        raise ValueError(f"refusing to write a checkpoint laneserve cannot load: {e}") from None
+    if shape.vocab < len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab must be at least {len(SPECIAL_TOKENS) + 256} (special tokens + 256 bytes), got {shape.vocab}")
+    widths = {"ffn": shape.ffn} if kind == "lfm2" or shape.dense_layers > 0 else {}
+    if kind == "lfm2_moe":
+        widths["expert_ffn"] = shape.expert_ffn
+    bad = {name: width for name, width in widths.items() if width < 1}
+    if bad:
+        raise ValueError(f"FFN widths must be >= 1, got {bad}")
+    return config
+
+
+def write_checkpoint(out: str | Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(folder)` in a staging folder beside `out`, then move its files into
+    `out`: a failure midway leaves no partial checkpoint behind."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} is a file, not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write(staging)
+        out.mkdir(exist_ok=True)
+        for file in staging.iterdir():
+            os.replace(file, out / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
 def make_tiny_target(
     out: str | Path,
     kind: str = "lfm2",
@@ -176,13 +218,15 @@ def make_tiny_target(
         raise ValueError(f"unknown tiny kind {kind!r}; choose lfm2 or lfm2_moe")
     if expert_layout not in ("per-expert", "fused"):
         raise ValueError(f"unknown expert layout {expert_layout!r}; choose per-expert or fused")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(target_config(kind, shape, dtype), indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS, "eos_token_id": [IM_END, EOS_TEXT], "pad_token_id": PAD}, indent=2) + "\n"
-    )
-    np_dtype = np.float16 if dtype == "float16" else np.float32
-    save_tensors(target_tensors(kind, shape, seed, np_dtype, expert_layout), out / "model.safetensors", dtype)
-    write_tokenizer(out, shape.vocab)
-    return out
+    config = checked_target_config(kind, shape, dtype)
+
+    def write(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": BOS, "eos_token_id": [IM_END, EOS_TEXT], "pad_token_id": PAD}, indent=2) + "\n"
+        )
+        np_dtype = np.float16 if dtype == "float16" else np.float32
+        save_tensors(target_tensors(kind, shape, seed, np_dtype, expert_layout), folder / "model.safetensors", dtype)
+        write_tokenizer(folder, shape.vocab)
+
+    return write_checkpoint(out, write)

@@ -13,10 +13,11 @@ import json
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
-from .config import Lfm2Config, read_json
-from .tiny import _dense, _norm, save_tensors
+from .config import CheckpointError, Lfm2Config
+from .drafter import DSparkConfig, check_pairing
+from .tiny import _dense, _norm, save_tensors, write_checkpoint
+from .tokenizer import ChatTokenizer
 
 MASK_TOKEN = "<|mask|>"
 
@@ -86,8 +87,8 @@ def make_tiny_drafter(
     `taps` defaults to three layers spread below the target's last; `nested=False`
     writes the pairing fields at top level instead of inside `dflash_config`."""
     target_dir, out = Path(target_dir), Path(out)
-    target = Lfm2Config.from_dict(read_json(target_dir / "config.json"))
-    mask = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK_TOKEN)
+    target = Lfm2Config.from_dir(target_dir)
+    mask = ChatTokenizer(target_dir).token_to_id(MASK_TOKEN)
     if mask is None:
         raise ValueError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
     pairing = {
@@ -124,8 +125,14 @@ def make_tiny_drafter(
         config["dflash_config"] = pairing
     else:
         config.update(pairing)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    np_dtype = np.float16 if dtype == "float16" else np.float32
-    save_tensors(drafter_tensors(config, target.hidden_size, seed, np_dtype), out / "model.safetensors", dtype)
-    return out
+    try:  # refuse, before writing anything, what load_drafter would refuse for this target
+        check_pairing(DSparkConfig.from_dict(config), target)
+    except CheckpointError as e:
+        raise ValueError(f"refusing to write a drafter laneserve cannot load: {e}") from None
+
+    def write(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        np_dtype = np.float16 if dtype == "float16" else np.float32
+        save_tensors(drafter_tensors(config, target.hidden_size, seed, np_dtype), folder / "model.safetensors", dtype)
+
+    return write_checkpoint(out, write)

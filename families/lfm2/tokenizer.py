@@ -60,6 +60,13 @@ class ChatTokenizer:
         return self.tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # A lone surrogate (JSON "\udcff", or argv bytes that are not UTF-8) is not text
+        # the tokenizer can read: name it instead of letting its TypeError out.
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text holds a lone surrogate {text[e.start]!r} at character {e.start}: not valid Unicode") from None
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
