@@ -1,29 +1,24 @@
-"""laneserve's LFM2 target against mlx-lm's batched generator, side by side.
+"""What laneserve serves against mlx-lm's batched generator: decode throughput, side by side.
 
     python -m bench.bench_target --model DIR --out bench/results --name cpu-tiny-dense
+        [--widths 1,4,8,16] [--prompt-tokens 512] [--gen-tokens 128] [--min-seconds 5] [--alternations 5]
 
-Both systems load the same checkpoint into the same process and are measured in
-alternation (laneserve first on even repeats, mlx-lm first on odd ones), so drift in
-clocks, caches or thermal state falls on both alike. Every measurement runs once as
-warm-up and then `--repeats` times; the median is reported.
-
-- Prefill tok/s: one lane reads a random prompt of P tokens in chunks of `--chunk`
-  rows, from empty caches to the prompt's last-row logits reduced to the first token.
-  laneserve: `Lfm2Target.prefill` then argmax. mlx-lm: `BatchGenerator.insert` then
-  `next_generated` until the first token comes back (P-1 rows of prompt processing and
-  one decode step over the last row: the same P rows).
-- Decode tok/s at N lanes: N distinct random prompts of P tokens are prefilled and
-  their first tokens produced (untimed); then G greedy steps over all N lanes are
-  timed, N*G / seconds. A laneserve step is a plain round: one ragged forward with
-  one row per lane, argmax per row, commit, evaluation of the tokens and every cache
-  write, tokens back to Python. An mlx-lm step is one `next_generated` call of a
-  BatchGenerator holding exactly the N sequences (with its own asynchronous
-  pipelining of the next step, as it serves).
-
-Both sample greedily, so on the same weights they should emit the same tokens; the
-report counts the lanes whose G+1 tokens agree (in bf16 an occasional near-tie can
-split them, which says nothing about speed). Writes NAME.json (settings, every
-repeat, medians) and NAME.md (a table: laneserve tok/s, mlx-lm tok/s, ratio).
+Both systems load the same checkpoint into the same process and decode the same prompts
+greedily. laneserve runs as it serves: its `Engine` with no drafter, so every round is a
+plain round, pipelined (the next round is built while the device runs this one), with
+its admission, detokenizing and event publishing. mlx-lm runs its `BatchGenerator`
+holding exactly N sequences (its own pipelining included). Only the decode phase is
+timed: for each batch of N distinct random prompts of P tokens, every prompt is read and
+its first token produced untimed, then G tokens per lane are timed, N*G tokens over the
+wall time. A run repeats such batches until its timed decode reaches `--min-seconds`
+(noise on a shared machine is large against a one-second run). Per width the two systems
+alternate `--alternations` times (laneserve first on even alternations, mlx-lm first on
+odd ones) after one untimed batch each; reported: each system's median tok/s with its
+min and max, and the median, min and max of the per-alternation ratio (the two runs of
+an alternation ran back to back). Neither stops at an eos token, so both decode all G
+tokens; 'agree' counts the lanes of each width's first batch whose tokens are identical
+in both (bf16 near-ties can split them, which says nothing about speed). Writes NAME.json
+(settings, every run) and NAME.md.
 """
 
 from __future__ import annotations
@@ -46,74 +41,74 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
-from families.lfm2.loader import DTYPES, load_model
-from families.lfm2.target import Lfm2Target
+from bench.bench_engine import read_prompts
+from families.lfm2 import open_target
+from families.lfm2.loader import DTYPES
+from lanes.engine import Engine, EngineConfig
+from lanes.lane import Request
 
 
-def laneserve_prefill(target: Lfm2Target, prompt: list[int], chunk: int) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    lane = target.open_lane()
-    logits, _ = target.prefill(lane, prompt, chunk)
-    first = mx.argmax(logits).item()
-    elapsed = time.perf_counter() - start
-    target.close_lane(lane)
-    return elapsed, [first]
+class LaneserveDecode:
+    """The engine as served, plain rounds only, never stopping at an eos token."""
+
+    def __init__(self, loaded, lanes: int):
+        self.engine = Engine(loaded.target, loaded.tokenizer, (), None, EngineConfig(max_streams=lanes))
+        self.engine.warm_up()
+
+    def batch(self, prompts: list[list[int]], gen: int) -> tuple[float, list[list[int]]]:
+        decoded = {"timing": False, "tokens": 0}
+        emitted: dict[str, list[int]] = {}
+
+        def on_event(event):
+            emitted.setdefault(event.request_id, []).extend(event.token_ids)
+            if decoded["timing"]:
+                decoded["tokens"] += len(event.token_ids)
+
+        requests = [Request(p, gen + 1, on_event=on_event) for p in prompts]  # the first token comes with the prompt
+        read_prompts(self.engine, requests)
+        decoded["timing"] = True
+        start = time.perf_counter()
+        self.engine.run_until_idle()
+        elapsed = time.perf_counter() - start
+        if decoded["tokens"] != len(prompts) * gen:
+            raise RuntimeError(f"laneserve decoded {decoded['tokens']} tokens, expected {len(prompts) * gen}")
+        return elapsed, [emitted[r.id] for r in requests]
 
 
-def laneserve_decode(target: Lfm2Target, prompts: list[list[int]], gen: int, chunk: int) -> tuple[float, list[list[int]]]:
-    lanes = [target.open_lane() for _ in prompts]
-    last = [target.prefill(lane, prompt, chunk)[0] for lane, prompt in zip(lanes, prompts)]
-    tokens = mx.argmax(mx.stack(last), axis=-1).tolist()
-    emitted = [[t] for t in tokens]
-    start = time.perf_counter()
-    for _ in range(gen):
-        out = target.forward(lanes, [[t] for t in tokens])
-        chosen = mx.argmax(out.logits, axis=-1)
-        target.commit(out, [1] * len(lanes))
-        mx.eval(chosen, *target.state_arrays())
-        tokens = chosen.tolist()
-        for seq, t in zip(emitted, tokens):
-            seq.append(t)
-    elapsed = time.perf_counter() - start
-    for lane in lanes:
-        target.close_lane(lane)
-    return elapsed, emitted
+class MlxLmDecode:
+    def __init__(self, model, chunk: int):
+        self.model = model
+        self.chunk = chunk
 
-
-def mlx_lm_generator(model, lanes: int, gen: int, chunk: int) -> BatchGenerator:
-    """A generator that takes all lanes into one prompt batch and one decode batch, and
-    never stops a sequence early (no stop tokens, room past the timed steps)."""
-    return BatchGenerator(
-        model, max_tokens=gen + 2, stop_tokens=None, completion_batch_size=lanes,
-        prefill_batch_size=lanes, prefill_step_size=chunk,
-    )
-
-
-def mlx_lm_prefill(model, prompt: list[int], chunk: int) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    generator = mlx_lm_generator(model, 1, 0, chunk)
-    uids = generator.insert([prompt])
-    first = [r.token for r in generator.next_generated()]
-    elapsed = time.perf_counter() - start
-    generator.remove(uids)
-    generator.close()
-    return elapsed, first
-
-
-def mlx_lm_decode(model, prompts: list[list[int]], gen: int, chunk: int) -> tuple[float, list[list[int]]]:
-    generator = mlx_lm_generator(model, len(prompts), gen, chunk)
-    uids = generator.insert(prompts)
-    emitted = {uid: [] for uid in uids}
-    for r in generator.next_generated():  # prefill and the first token, untimed
-        emitted[r.uid].append(r.token)
-    start = time.perf_counter()
-    for _ in range(gen):
-        for r in generator.next_generated():
+    def batch(self, prompts: list[list[int]], gen: int) -> tuple[float, list[list[int]]]:
+        generator = BatchGenerator(
+            self.model, max_tokens=gen + 2, stop_tokens=None, completion_batch_size=len(prompts),
+            prefill_batch_size=len(prompts), prefill_step_size=self.chunk,
+        )
+        uids = generator.insert(prompts)
+        emitted = {uid: [] for uid in uids}
+        for r in generator.next_generated():  # prefill and the first token, untimed
             emitted[r.uid].append(r.token)
-    elapsed = time.perf_counter() - start
-    generator.remove(uids)
-    generator.close()
-    return elapsed, [emitted[uid] for uid in uids]
+        start = time.perf_counter()
+        for _ in range(gen):
+            for r in generator.next_generated():
+                emitted[r.uid].append(r.token)
+        elapsed = time.perf_counter() - start
+        generator.remove(uids)
+        generator.close()
+        return elapsed, [emitted[uid] for uid in uids]
+
+
+def timed_run(system, make_prompts, gen: int, min_seconds: float) -> dict:
+    """Batches until the timed decode reaches min_seconds; tok/s over all of them."""
+    seconds, tokens, batches = 0.0, 0, 0
+    while seconds < min_seconds or batches == 0:
+        prompts = make_prompts()
+        elapsed, _ = system.batch(prompts, gen)
+        seconds += elapsed
+        tokens += len(prompts) * gen
+        batches += 1
+    return {"tok_s": tokens / seconds, "seconds": seconds, "batches": batches}
 
 
 def load_mlx_lm(path: str, dtype: str | None):
@@ -129,55 +124,40 @@ def load_mlx_lm(path: str, dtype: str | None):
 
 
 def run(args) -> dict:
-    target_model, config = load_model(args.model, args.dtype)
-    target = Lfm2Target(target_model, config, max_lanes=max(args.widths))
-    peer = load_mlx_lm(args.model, args.dtype)
-    load_before = os.getloadavg()[0]
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths))
+    systems = {"laneserve": LaneserveDecode(loaded, max(args.widths)), "mlx_lm": MlxLmDecode(load_mlx_lm(args.model, args.dtype), args.chunk)}
+    vocab = loaded.target.vocab_size
     rng = np.random.default_rng(args.seed)
-    prompts = rng.integers(16, config.vocab_size, size=(max(args.widths), args.prompt_tokens)).tolist()
-
-    cases = [("prefill", 1)] + [("decode", n) for n in args.widths]
-    samples = {f"{kind}@{n}": {"laneserve": [], "mlx_lm": [], "agree": None} for kind, n in cases}
-    for repeat in range(args.repeats + 1):  # repeat 0 is the warm-up
-        for kind, n in cases:
-            if kind == "prefill":
-                systems = {
-                    "laneserve": lambda: laneserve_prefill(target, prompts[0], args.chunk),
-                    "mlx_lm": lambda: mlx_lm_prefill(peer, prompts[0], args.chunk),
-                }
-                tokens = args.prompt_tokens
-            else:
-                systems = {
-                    "laneserve": lambda: laneserve_decode(target, prompts[:n], args.gen_tokens, args.chunk),
-                    "mlx_lm": lambda: mlx_lm_decode(peer, prompts[:n], args.gen_tokens, args.chunk),
-                }
-                tokens = n * args.gen_tokens
-            order = ["laneserve", "mlx_lm"] if repeat % 2 == 0 else ["mlx_lm", "laneserve"]
-            emitted = {}
-            for name in order:
-                elapsed, emitted[name] = systems[name]()
-                if repeat:
-                    samples[f"{kind}@{n}"][name].append(tokens / elapsed)
-            agree = sum(a == b for a, b in zip(emitted["laneserve"], emitted["mlx_lm"]))
-            samples[f"{kind}@{n}"]["agree"] = f"{agree}/{n}"
-            if repeat:
-                print(f"repeat {repeat}: {kind} at {n} lane(s): "
-                      + ", ".join(f"{s} {samples[f'{kind}@{n}'][s][-1]:.1f} tok/s" for s in ("laneserve", "mlx_lm")), flush=True)
+    load_before = os.getloadavg()[0]
     rows = []
-    for kind, n in cases:
-        s = samples[f"{kind}@{n}"]
-        ours, theirs = statistics.median(s["laneserve"]), statistics.median(s["mlx_lm"])
-        rows.append({"measure": kind, "lanes": n, "laneserve_tok_s": ours, "mlx_lm_tok_s": theirs,
-                     "ratio": ours / theirs, "agree": s["agree"], "laneserve_samples": s["laneserve"], "mlx_lm_samples": s["mlx_lm"]})
+    for n in args.widths:
+        make_prompts = lambda: rng.integers(16, vocab, size=(n, args.prompt_tokens)).tolist()
+        first = make_prompts()
+        tokens = {name: system.batch(first, args.gen_tokens)[1] for name, system in systems.items()}  # untimed
+        agree = sum(a == b for a, b in zip(tokens["laneserve"], tokens["mlx_lm"]))
+        runs = {"laneserve": [], "mlx_lm": []}
+        ratios = []
+        for alternation in range(args.alternations):
+            order = ["laneserve", "mlx_lm"] if alternation % 2 == 0 else ["mlx_lm", "laneserve"]
+            for name in order:
+                runs[name].append(timed_run(systems[name], make_prompts, args.gen_tokens, args.min_seconds))
+            ratios.append(runs["laneserve"][-1]["tok_s"] / runs["mlx_lm"][-1]["tok_s"])
+            print(f"width {n}, alternation {alternation + 1}: " + ", ".join(
+                f"{name} {runs[name][-1]['tok_s']:.1f} tok/s ({runs[name][-1]['seconds']:.1f} s)" for name in order
+            ) + f", ratio {ratios[-1]:.2f}", flush=True)
+        row = {"lanes": n, "agree": f"{agree}/{n}", "ratio": spread(ratios), "runs": runs}
+        for name in systems:
+            row[f"{name}_tok_s"] = spread([r["tok_s"] for r in runs[name]])
+        rows.append(row)
     return {
         "command": "python -m bench.bench_target " + shlex.join(sys.argv[1:]),
         "model": str(args.model),
-        "model_type": config.model_type,
+        "model_type": loaded.target.config.model_type,
         "dtype": args.dtype or "as stored",
         "prompt_tokens": args.prompt_tokens,
         "gen_tokens": args.gen_tokens,
-        "chunk": args.chunk,
-        "repeats": args.repeats,
+        "min_seconds": args.min_seconds,
+        "alternations": args.alternations,
         "device": str(mx.default_device()),
         "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
         "mlx": version("mlx"),
@@ -189,37 +169,43 @@ def run(args) -> dict:
     }
 
 
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def markdown(result: dict) -> str:
+    fmt = lambda s, d=1, u="": f"{s['median']:.{d}f}{u} [{s['min']:.{d}f}-{s['max']:.{d}f}]"
     lines = [
-        f"# laneserve vs mlx-lm {result['mlx_lm']}: {Path(result['model']).name}",
+        f"# laneserve's engine vs mlx-lm {result['mlx_lm']} BatchGenerator: {Path(result['model']).name}",
         "",
         f"- command: `{result['command']}`",
         f"- model: {result['model_type']}, dtype {result['dtype']}; device {result['device']}, {result['machine']}; "
-        f"mlx {result['mlx']}; laneserve commit {result['commit']}",
-        f"- prompt {result['prompt_tokens']} tokens (chunk {result['chunk']}), {result['gen_tokens']} timed decode "
-        f"steps per lane; median of {result['repeats']} repeats after a warm-up; peak MLX memory {result['peak_memory_gb']:.2f} GB",
-        f"- 1-minute load average before / after: {result['load_average'][0]:.2f} / {result['load_average'][1]:.2f} "
-        "(other processes' load slows both systems alike but adds noise)",
-        "- 'agree': lanes whose greedy tokens are identical in both systems",
+        f"mlx {result['mlx']}; laneserve commit {result['commit']}; peak MLX memory {result['peak_memory_gb']:.2f} GB",
+        f"- decode only: prompts of {result['prompt_tokens']} tokens read untimed, then {result['gen_tokens']} timed tokens "
+        f"per lane; each run at least {result['min_seconds']} s of decode; {result['alternations']} alternations; "
+        "median [min-max] over alternations; the ratio is taken per alternation",
+        f"- 1-minute load average before / after: {result['load_average'][0]:.2f} / {result['load_average'][1]:.2f}",
+        "- 'agree': lanes whose greedy tokens are identical in both systems (first batch of each width)",
         "",
-        "| measure | lanes | laneserve tok/s | mlx-lm tok/s | ratio | agree |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| lanes | laneserve tok/s | mlx-lm tok/s | laneserve / mlx-lm | agree |",
+        "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['measure']} | {r['lanes']} | {r['laneserve_tok_s']:.1f} | {r['mlx_lm_tok_s']:.1f} | {r['ratio']:.2f}x | {r['agree']} |")
+        lines.append(f"| {r['lanes']} | {fmt(r['laneserve_tok_s'])} | {fmt(r['mlx_lm_tok_s'])} | {fmt(r['ratio'], 2, 'x')} | {r['agree']} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory (HF LFM2 / LFM2-MoE)")
     parser.add_argument("--out", required=True, help="results directory")
     parser.add_argument("--name", help="base name of the result files (default: the model directory's name)")
     parser.add_argument("--widths", type=lambda s: [int(w) for w in s.split(",")], default=[1, 4, 8, 16])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--gen-tokens", type=int, default=128)
-    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk rows, for both systems")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=5.0, help="timed decode per run, at least")
+    parser.add_argument("--alternations", type=int, default=5)
+    parser.add_argument("--chunk", type=int, default=512, help="mlx-lm's prefill step (laneserve reads prompts its own way)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast both models to this dtype (default: as stored)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     args = parser.parse_args()
