@@ -31,7 +31,7 @@ engine_2_6b() {
 case "$shape" in
 2.6b)
   checkpoints_2_6b
-  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --repeats 3
+  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --alternations 5
   step python -m bench.bench_drafting --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/gpu-drafting-2.6b"
   engine_2_6b
   ;;
@@ -41,7 +41,7 @@ engine)
   ;;
 8b)
   [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
-  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --repeats 3
+  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --alternations 5
   step python -m bench.bench_load_memory --model "$ck/8b" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
   ;;
 esac
