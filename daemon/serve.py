@@ -73,8 +73,9 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(name, api_key, args.max_body_bytes)
 
 
-def open_serving(args, config: ServerConfig) -> Serving:
-    """Load the checkpoint and drafter, start the engine thread (its warm-up runs there)."""
+def open_serving(args, config: ServerConfig, build_engine=Engine) -> Serving:
+    """Load the checkpoint and drafter, start the engine thread (its warm-up runs there).
+    `build_engine` takes Engine's arguments (bench/serve_scripted.py passes its own)."""
     from .cli import UsageError, open_drafter
 
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=args.max_streams)
@@ -88,8 +89,8 @@ def open_serving(args, config: ServerConfig) -> Serving:
     drafter = None if args.no_draft else open_drafter(args, loaded)
     if drafter is None:
         log.info("drafter: none, every round plain")
-    engine = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
-                    EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width))
+    engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
+                          EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width))
     log.info("lanes: %d streams per round, %d waiting at most", args.max_streams, args.max_queue)
     log.info("context: %d tokens per request (prompt + max_tokens)", max_model_len)
     defaults = generation_defaults(args.model)
@@ -99,7 +100,7 @@ def open_serving(args, config: ServerConfig) -> Serving:
     return make_serving(client, loaded.tokenizer, target.vocab_size, config.model_name, max_model_len, defaults)
 
 
-def run_serve(args) -> int:
+def run_serve(args, build_engine=Engine) -> int:
     from .cli import resolve_models
 
     args.embedded = args.model is None
@@ -109,11 +110,11 @@ def run_serve(args) -> int:
     try:
         import uvloop
     except ImportError:  # no uvloop on Windows
-        return asyncio.run(serve(args, config))
-    return uvloop.run(serve(args, config))
+        return asyncio.run(serve(args, config, build_engine))
+    return uvloop.run(serve(args, config, build_engine))
 
 
-async def serve(args, config: ServerConfig) -> int:
+async def serve(args, config: ServerConfig, build_engine=Engine) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,7 +124,7 @@ async def serve(args, config: ServerConfig) -> int:
     address = f"http://{host}:{port}"
     log.info("listening on %s (/ready answers 503 until the model is loaded)", address)
     try:
-        serving = await loop.run_in_executor(None, open_serving, args, config)
+        serving = await loop.run_in_executor(None, open_serving, args, config, build_engine)
     except BaseException:
         await server.close()
         raise
