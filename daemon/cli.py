@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -23,9 +24,12 @@ from families.lfm2.config import SAMPLING_KEYS, generation_defaults
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
+
+from .serve import add_serve
 
 
 class UsageError(Exception):
@@ -143,11 +147,16 @@ def run_generate(args) -> int:
         prompt = tokenizer.encode(raw)
     drafter = open_drafter(args, loaded)
     engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
-    if drafter is not None and args.draft_width is None and not args.no_draft:
-        engine.warm_up()
-    started = time.perf_counter()
-    done = engine.generate([Request(prompt, args.max_tokens, sampling, stops, draft=not args.no_draft)])[0]
-    seconds = time.perf_counter() - started
+    client = EngineClient(engine)
+    client.start(warm_up=drafter is not None and args.draft_width is None and not args.no_draft)
+    try:
+        if not client.wait_ready():
+            raise UsageError(f"the engine failed to start: {client.health().error}")
+        started = time.perf_counter()
+        done = client.generate([Request(prompt, args.max_tokens, sampling, stops, draft=not args.no_draft)])[0]
+        seconds = time.perf_counter() - started
+    finally:
+        client.shutdown(0)
     if done.error:
         raise UsageError(done.error)
     if args.json:
@@ -209,6 +218,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="laneserve", description="Serve LiquidAI LFM2 models on MLX with DSpark drafting.")
     p.add_argument("--log-level", default="INFO", help="INFO (default) logs startup facts such as the drafter's precision; DEBUG also every guard decision")
     sub = p.add_subparsers(dest="command", required=True)
+    add_serve(sub)
     add_generate(sub)
     add_make_tiny(sub)
     return p
@@ -231,5 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The console script: `main`, then exit without running C++ static destructors.
+    MLX (0.32) can abort the process at exit once its arrays were evaluated on a thread
+    other than the main one (ml-explore/mlx#3126), which the engine thread always is: the
+    work is done and flushed by then, so the exit status stays the command's own."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

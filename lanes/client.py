@@ -145,7 +145,11 @@ class EngineClient:
         return self._ready.is_set() and not self._draining and self.health().alive
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        self._ready.wait(timeout)
+        """Wait for warm-up to end; False at the timeout, or at once if the thread died."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.wait(0.05):
+            if not self.health().alive or (end is not None and time.monotonic() >= end):
+                return False
         return self.ready
 
     def shutdown(self, deadline: float) -> None:

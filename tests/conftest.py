@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import mlx.core as mx
 import pytest
 
@@ -28,3 +31,20 @@ def _cpu_float32():
     # Tests run in float32 on the CPU: bf16 and quantized CPU kernels are slow, and
     # MoE gather_mm supports only float32 there.
     mx.set_default_device(mx.cpu)
+
+
+_exit_status = {"code": 0}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # MLX (0.32) can abort the interpreter at exit once arrays were evaluated on threads
+    # other than the main one (ml-explore/mlx#3126), as the engine's are: end the process
+    # with pytest's own status once its report is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status["code"])
