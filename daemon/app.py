@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
@@ -87,7 +88,8 @@ class Access:
     started: float = field(default_factory=time.monotonic)
 
 
-ACCESS = "laneserve.access"
+# The access record of the request this task is answering (set by the access middleware).
+current_access: ContextVar[Access] = ContextVar("current_access")
 
 
 def package_version() -> str:
@@ -174,7 +176,8 @@ class Server:
 
     @web.middleware
     async def _access(self, request: web.Request, handler):
-        record = request[ACCESS] = Access()
+        record = Access()
+        current_access.set(record)
         self._active += 1
         self._idle.clear()
         status = 499  # nginx's "client closed the request", if the handler is cancelled
@@ -268,7 +271,7 @@ class Server:
                            headers={"Retry-After": str(self.config.retry_after_seconds)}) from None
         except EngineUnavailable as e:
             raise ApiError(503, str(e), type="service_unavailable", code="engine_unavailable") from None
-        record = request[ACCESS]
+        record = current_access.get()
         record.request_id = job.request.id
         tracker = serving.metrics.tracker()
         reply = serving.front.reply(job)

@@ -1,0 +1,84 @@
+"""A real laneserve HTTP server on loopback for the daemon tests: the same `Server` the
+`serve` command runs, on its own event loop in a background thread, over an engine the
+test builds (so it can inject faults and stalls) and on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+
+from daemon.app import Server, ServerConfig, Serving, make_serving
+from families.lfm2 import open_target
+from families.lfm2.drafter import load_drafter
+from lanes.client import EngineClient
+from lanes.engine import Engine, EngineConfig
+from tests.priced import price_without_timing
+
+
+def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 64, max_model_len: int | None = None,
+                  stall_seconds: float = 30.0, name: str = "tiny") -> tuple[Serving, Engine]:
+    """An engine thread serving a tiny checkpoint. With a drafter, every round drafts and
+    every draft is priced in (tests.priced), so drafted rounds happen on any machine."""
+    loaded = open_target(target_dir, max_lanes=streams)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=streams)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
+                    EngineConfig(max_streams=streams, max_waiting=queue))
+    if drafter is not None:
+        price_without_timing(engine)
+    client = EngineClient(engine, stall_seconds=stall_seconds)
+    client.start()
+    assert client.wait_ready(30)
+    limit = max_model_len or loaded.target.context_limit
+    return make_serving(client, loaded.tokenizer, loaded.target.vocab_size, name, limit, {}), engine
+
+
+class LiveServer:
+    def __init__(self, serving: Serving, config: ServerConfig | None = None):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-http", daemon=True)
+        self.thread.start()
+        self.serving = serving
+        self.server = self.call(self._make(config or ServerConfig(serving.front.model_name)))
+        host, port = self.call(self.server.listen("127.0.0.1", 0))
+        self.server.attach(serving)
+        self.url = f"http://{host}:{port}"
+
+    @staticmethod
+    async def _make(config: ServerConfig) -> Server:
+        return Server(config)
+
+    def call(self, coro, timeout: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def submit(self, coro):
+        """Run a coroutine on the server's loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.call(self.server.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+async def sse_lines(session: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> list[bytes]:
+    """Every non-empty line of an SSE response, as sent."""
+    async with session.post(url, json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        return [line.rstrip(b"\n") async for line in response.content if line.strip()]
+
+
+def http(method: str, url: str, body=None, headers: dict | None = None, data: bytes | None = None):
+    """One request from synchronous test code: (status, headers, body bytes)."""
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.request(method, url, json=body, data=data, headers=headers) as response:
+                return response.status, dict(response.headers), await response.read()
+
+    return asyncio.run(go())
