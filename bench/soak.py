@@ -1,0 +1,137 @@
+"""Soak the engine boundary: thousands of short requests through `EngineClient` with random
+cancels, stop strings, sampling and draft on/off, from one asyncio loop.
+
+Reports requests per second, errors (must be 0; cancels are not errors), whether every
+request got exactly one final event, what the engine still holds afterwards (must be
+nothing) and resident memory before and after (growth beyond noise is a leak).
+
+    python -m bench.soak [--model DIR --draft-model DIR] [--requests 3000] [--concurrency 24] [--out FILE]
+
+Without --model it soaks the embedded default with its drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import sys
+import time
+
+import mlx.core as mx
+
+from families.lfm2 import open_target
+from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
+from families.lfm2.drafter import load_drafter
+from lanes.client import EngineClient
+from lanes.engine import Engine, EngineConfig, QueueFull
+from lanes.lane import FinishReason, Request
+from lanes.sampling import SamplingParams
+
+STOPS = ("the", ".", "\n", "ing")
+
+
+def rss_mib() -> float:
+    """Resident memory now, MiB (Linux /proc; peak RSS elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def random_request(rng: random.Random, vocab: int) -> Request:
+    prompt = [1] + [rng.randrange(20, vocab) for _ in range(rng.randrange(2, 40))]
+    sampling = SamplingParams() if rng.random() < 0.5 else SamplingParams(
+        temperature=rng.choice([0.5, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(2**32))
+    stop = (rng.choice(STOPS),) if rng.random() < 0.3 else ()
+    return Request(prompt, rng.randrange(1, 24), sampling, stop, draft=rng.random() < 0.7)
+
+
+async def soak(client: EngineClient, requests: int, concurrency: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    vocab = client.engine.target.vocab_size
+    outcome: dict[str, int] = {}
+    final_events = {"missing": 0, "extra": 0}
+    retries = 0
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        nonlocal retries
+        async with slots:
+            request = random_request(rng, vocab)
+            cancel_after = rng.random() * 0.02 if rng.random() < 0.15 else None
+            while True:
+                try:
+                    handle = client.submit(request)
+                    break
+                except QueueFull:
+                    retries += 1
+                    await asyncio.sleep(0.005)
+            if cancel_after is not None:
+                asyncio.get_running_loop().call_later(cancel_after, handle.cancel)
+            finals = 0
+            async for event in handle:
+                finals += event.finish_reason is not None
+            final_events["missing" if finals == 0 else "extra"] += finals != 1
+            reason = event.finish_reason.value
+            outcome[reason] = outcome.get(reason, 0) + 1
+            if i % 200 == 0:
+                print(f"\r{i}/{requests} requests", end="", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(requests)))
+    seconds = time.perf_counter() - started
+    print(file=sys.stderr)
+    return {"requests": requests, "seconds": round(seconds, 2), "requests_per_second": round(requests / seconds, 1),
+            "finish_reasons": outcome, "errors": outcome.get(FinishReason.ERROR.value, 0),
+            "final_event_faults": final_events, "queue_full_retries": retries}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model")
+    p.add_argument("--draft-model")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--concurrency", type=int, default=24)
+    p.add_argument("--max-streams", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the report as JSON here too")
+    args = p.parse_args(argv)
+    if args.model is None:
+        args.model, args.draft_model = default_target_dir(), args.draft_model or default_drafter_dir()
+    dtype = "float32" if mx.default_device() == mx.cpu else None
+    loaded = open_target(args.model, dtype=dtype, max_lanes=args.max_streams)
+    drafter = None
+    if args.draft_model:
+        drafter = load_drafter(args.draft_model, loaded.target.model, loaded.target.config, dtype=dtype, max_lanes=args.max_streams)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=args.max_streams))
+    client = EngineClient(engine)
+    client.start(warm_up=drafter is not None)
+    client.wait_ready()
+    # One short pass first, so caches, pools and allocators reach their working size.
+    asyncio.run(soak(client, 64, args.concurrency, args.seed + 1))
+    before = rss_mib()
+    report = asyncio.run(soak(client, args.requests, args.concurrency, args.seed))
+    after = rss_mib()
+    stats = client.stats()
+    client.shutdown(5)
+    report.update(rss_mib_before=round(before, 1), rss_mib_after=round(after, 1),
+                  held_after={k: stats[k] for k in ("in_flight", "queue_depth", "running", "waiting", "kv_bytes_in_use")},
+                  model=str(args.model), drafter=str(args.draft_model), max_streams=args.max_streams)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    clean = report["errors"] == 0 and not any(report["final_event_faults"].values()) and not any(report["held_after"].values())
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # see daemon.cli.entry: MLX may abort at exit after threaded evaluation
