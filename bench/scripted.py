@@ -81,16 +81,27 @@ class ScriptedProposal:
 
 class ScriptedDrafter:
     """Wraps a drafter; `sequences` are whole plain-run token sequences (prompt +
-    continuation), one per prompt the benchmark sends."""
+    continuation), one per prompt the benchmark sends; `record` adds one later."""
 
     def __init__(self, drafter, sequences: Sequence[Sequence[int]], profile: SurvivalProfile, vocab_size: int, seed: int = 0):
         self.drafter = drafter
         self.profile = profile
         self.vocab_size = vocab_size
         self.seed = seed
-        self._sequences = [list(s) for s in sequences]
+        self._sequences: list[list[int]] = []
+        self._known: set[tuple[int, ...]] = set()
         self._history: dict[int, list[int]] = {}
         self._match: dict[int, int] = {}  # slot -> index of its recorded sequence
+        for sequence in sequences:
+            self.record(sequence)
+
+    def record(self, sequence: Sequence[int]) -> None:
+        """Propose from this plain run too (once however often it is recorded). Call it on
+        the thread that runs rounds: `propose` reads the recordings."""
+        key = tuple(sequence)
+        if key not in self._known:
+            self._known.add(key)
+            self._sequences.append(list(sequence))
 
     # The protocol the lane core uses, delegated where the real drafter's work is wanted.
     @property
