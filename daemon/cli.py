@@ -30,6 +30,7 @@ from lanes.lane import Request
 from lanes.sampling import SamplingParams
 
 from .serve import add_serve
+from .service import add_service
 
 
 class UsageError(Exception):
@@ -221,6 +222,7 @@ def parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_generate(sub)
     add_make_tiny(sub)
+    add_service(sub)
     return p
 
 
