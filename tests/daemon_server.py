@@ -11,6 +11,7 @@ import aiohttp
 
 from daemon.app import Server, ServerConfig, Serving, make_serving
 from families.lfm2 import open_target
+from families.lfm2.config import generation_defaults
 from families.lfm2.drafter import load_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig
@@ -19,8 +20,9 @@ from tests.priced import price_without_timing
 
 def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 64, max_model_len: int | None = None,
                   stall_seconds: float = 30.0, name: str = "tiny") -> tuple[Serving, Engine]:
-    """An engine thread serving a tiny checkpoint. With a drafter, every round drafts and
-    every draft is priced in (tests.priced), so drafted rounds happen on any machine."""
+    """An engine thread serving a tiny checkpoint, with its generation_config.json's
+    sampling defaults as `serve` reads them. With a drafter, every round drafts and every
+    draft is priced in (tests.priced), so drafted rounds happen on any machine."""
     loaded = open_target(target_dir, max_lanes=streams)
     drafter = None
     if drafter_dir is not None:
@@ -33,18 +35,22 @@ def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 
     client.start()
     assert client.wait_ready(30)
     limit = max_model_len or loaded.target.context_limit
-    return make_serving(client, loaded.tokenizer, loaded.target.vocab_size, name, limit, {}), engine
+    defaults = generation_defaults(target_dir)
+    return make_serving(client, loaded.tokenizer, loaded.target.vocab_size, name, limit, defaults), engine
 
 
 class LiveServer:
-    def __init__(self, serving: Serving, config: ServerConfig | None = None):
+    """`serving` None: a server whose model is still loading."""
+
+    def __init__(self, serving: Serving | None, config: ServerConfig | None = None):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-http", daemon=True)
         self.thread.start()
         self.serving = serving
         self.server = self.call(self._make(config or ServerConfig(serving.front.model_name)))
         host, port = self.call(self.server.listen("127.0.0.1", 0))
-        self.server.attach(serving)
+        if serving is not None:
+            self.server.attach(serving)
         self.url = f"http://{host}:{port}"
 
     @staticmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 
@@ -255,6 +256,27 @@ def test_a_seeded_sampled_reply_repeats_across_runs_and_with_drafting_off(dense)
     assert ask(4321)[0] != first
 
 
+def test_sampling_defaults_come_from_generation_config(dense_dir, tmp_path):
+    checkpoint = tmp_path / "sampled"
+    shutil.copytree(dense_dir, checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps({**config, "temperature": 1.3, "top_k": 40}))
+    serving, _ = build_serving(checkpoint, streams=2)
+    server = LiveServer(serving)
+    try:
+        client = sdk(server)
+
+        def ask(**sampling):
+            return client.completions.create(model="tiny", prompt=PROMPTS[9], max_tokens=16, seed=5,
+                                             extra_body=sampling).choices[0].text
+
+        assert ask() == ask(temperature=1.3, top_k=40) != ask(temperature=0)
+        assert ask(top_k=1) == ask(temperature=0)  # a request field overrides the file's
+    finally:
+        server.close()
+        serving.client.shutdown(0)
+
+
 # ---- cancellation ------------------------------------------------------------------------
 
 
@@ -343,6 +365,19 @@ def test_each_refusal_has_its_status_and_openai_shape(dense, dense_dir):
     # Unknown fields are ignored.
     status, _, body = http("POST", chat, {"messages": CHAT, "max_tokens": 2, "frobnicate": {"x": 1}, "user": "u"})
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] <= 2
+
+
+def test_a_loading_server_answers_503_but_its_probes_answer(dense):
+    loading = LiveServer(None, ServerConfig("tiny"))
+    try:
+        assert_error(http("POST", loading.url + "/v1/completions", {"prompt": "hi"}), 503, code="loading")
+        assert_error(http("GET", loading.url + "/v1/models"), 503, code="loading")
+        for path in ("/health", "/ready"):
+            status, _, body = http("GET", loading.url + path)
+            assert status == 503 and json.loads(body)["status"] == "loading"
+        assert http("GET", loading.url + "/metrics")[0] == 200
+    finally:
+        loading.close()
 
 
 def test_api_key_and_body_limit(dense):
