@@ -163,7 +163,7 @@ def sampled_pair(tmp_path_factory):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-@pytest.mark.parametrize("width,lanes", [(2, 1), (5, 4), (9, 16), (10, 4), (None, 16), (None, 1)])
+@pytest.mark.parametrize("width,lanes", [(2, 1), (3, 4), (4, 4), (5, 4), (6, 4), (7, 4), (8, 4), (9, 16), (10, 4), (None, 16), (None, 1)])
 def test_seeded_sampling_drafted_equals_plain(temperature, width, lanes, dense_dir, drafter_dir):
     params = lambda i: SamplingParams(temperature=temperature, top_p=0.95, seed=1000 + i)
     prompts = PROMPTS[:lanes] if lanes <= len(PROMPTS) else [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(lanes)]
