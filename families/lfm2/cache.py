@@ -9,6 +9,7 @@ causal mask compares positions) and are overwritten by the next round.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,6 +33,11 @@ def row_bucket(rows: int, ceiling: int | None = None) -> int:
     return min(bucket, ceiling) if ceiling is not None and rows <= ceiling else bucket
 
 
+def key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
+    """Keys a round attends: the furthest row any lane reaches, rounded up to `key_bucket`."""
+    return -(-max(o + width for o in offsets) // key_bucket) * key_bucket
+
+
 class RaggedLayout:
     """Where each lane's rows sit in a round.
 
@@ -41,11 +47,14 @@ class RaggedLayout:
     operators never let them reach a real row.
     """
 
-    def __init__(self, widths: list[int], offsets: list[int], key_bucket: int = 1):
+    def __init__(self, widths: list[int], offsets: list[int] | None, key_bucket: int = 1, *,
+                 offsets_array: mx.array | None = None, span: int | None = None):
+        """`offsets` are each lane's first position, as host ints; a compiled round knows
+        them only as `offsets_array` (traced) and is given its `span` instead."""
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
-        self.offsets = list(offsets)
+        self.offsets = None if offsets is None else list(offsets)
         self.lanes = len(widths)
         self.width = max(widths)
         self.rows = sum(widths)
@@ -53,13 +62,12 @@ class RaggedLayout:
         self.row_starts = [0]
         for w in widths[:-1]:
             self.row_starts.append(self.row_starts[-1] + w)
-        self.offsets_array = mx.array(self.offsets, dtype=mx.int32)
-        self.widths_array = mx.array(self.widths, dtype=mx.int32)
+        self.offsets_array = mx.array(self.offsets, dtype=mx.int32) if offsets_array is None else offsets_array
         # Key span the round's attention reads: the furthest row any lane reaches,
         # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
         # attention shapes steady from round to round, so a backend that builds kernels
         # or plans per shape builds them once per bucket, not once per round.
-        self.span = -(-max(o + self.width for o in self.offsets) // key_bucket) * key_bucket
+        self.span = span if span is not None else key_span(self.offsets, self.width, key_bucket)
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:
@@ -91,18 +99,32 @@ class RaggedLayout:
             self._shared[key] = build()
         return self._shared[key]
 
-    def slot_index(self, slots: list[int]) -> slice | mx.array:
+    def rope_offset(self) -> int | mx.array:
+        """RoPE's offset: the lane's position as an int for one lane known on the host,
+        else every lane's as an array."""
+        return self.offsets[0] if self.lanes == 1 and self.offsets is not None else self.offsets_array
+
+    def slot_index(self, slots: list[int] | mx.array) -> slice | mx.array:
         """How to index a pool by these slots: a slice when they are contiguous (a view,
-        and an in-place update), else an index array (a gather, a scatter)."""
+        and an in-place update), else an index array (a gather, a scatter). A compiled
+        round passes the slots of a non-contiguous set as an array."""
+        if isinstance(slots, mx.array):
+            return slots
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
             return slice(first, first + len(slots))
+        return self.slot_ids(slots)
+
+    def slot_ids(self, slots: list[int] | mx.array) -> mx.array:
+        """The slots as an int32 array `[N]`."""
+        if isinstance(slots, mx.array):
+            return slots
         return self.shared(("slots", tuple(slots)), lambda: mx.array(slots, dtype=mx.int32))
 
     def attention_mask(self, keys: int) -> mx.array | None:
         """[N, 1, W, keys] boolean: row j of lane i sees keys at positions <= offset_i + j.
         None where plain causal alignment already says the same."""
-        if self.lanes == 1 and self.offsets[0] + self.width == keys:
+        if self.lanes == 1 and self.offsets is not None and self.offsets[0] + self.width == keys:
             return None if self.width == 1 else "causal"
         return self.shared(
             ("causal", keys),
@@ -165,11 +187,19 @@ class KVPool:
         self.capacity = new_capacity
         mx.eval(self.keys, self.values)
 
-    def write(self, slots: list[int], layout: RaggedLayout, keys: mx.array, values: mx.array) -> None:
+    def holding(self, keys: mx.array, values: mx.array) -> KVPool:
+        """A pool of this geometry over other arrays: a compiled round writes and reads
+        its traced inputs through one, then returns what it holds."""
+        pool = copy.copy(self)
+        pool.keys, pool.values = keys, values
+        pool.capacity = keys.shape[0] // (self.slots * self.kv_heads)
+        return pool
+
+    def write(self, slots: list[int] | mx.array, layout: RaggedLayout, keys: mx.array, values: mx.array) -> None:
         """Store `[N, kv_heads, W, D]` rows at their lanes' slots and positions."""
         rows = layout.shared(
-            ("kv rows", tuple(slots), self.kv_heads, self.capacity),
-            lambda: (mx.array(slots, dtype=mx.int32)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
+            ("kv rows", self.kv_heads, self.capacity),
+            lambda: (layout.slot_ids(slots)[:, None, None] * self.kv_heads + mx.arange(self.kv_heads)[None, :, None])
             * self.capacity
             + layout.positions()[:, None, :],
         )
@@ -223,6 +253,12 @@ class ConvPool:
 
     def __init__(self, slots: int, rows: int, hidden: int, dtype):
         self.state = mx.zeros((slots, rows, hidden), dtype=dtype)
+
+    def holding(self, state: mx.array) -> ConvPool:
+        """A pool over another state array (see KVPool.holding)."""
+        pool = copy.copy(self)
+        pool.state = state
+        return pool
 
     def read(self, slots: list[int], layout: RaggedLayout) -> mx.array:
         return self.state[layout.slot_index(slots)]

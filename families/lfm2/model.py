@@ -9,6 +9,8 @@ position and its state lives in slot pools (cache.py).
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -38,13 +40,54 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
     return (weights @ values).reshape(n, heads, t, d)
 
 
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """`silu(gate) * up`, one fused kernel."""
+    return nn.silu(gate) * up
+
+
+@partial(mx.compile, shapeless=True)
+def multiply_add(*terms: mx.array) -> mx.array:
+    """`a0 * b0 + a1 * b1 + ...` for terms `(a0, b0, a1, b1, ...)`, one fused kernel."""
+    out = terms[0] * terms[1]
+    for a, b in zip(terms[2::2], terms[3::2]):
+        out = out + a * b
+    return out
+
+
 def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
     """`[N, L-1+T, H]` -> `[N, T, H]`: row t is `sum_k weight[:, k] * window[t + k]`, MLX's
-    conv1d layout `[H, L, 1]`. Spelled as L multiply-adds, which need no per-shape plan."""
+    conv1d layout `[H, L, 1]`. Spelled as L multiply-adds (one fused kernel), which need
+    no per-shape plan."""
     taps = weight.shape[1]
     length = window.shape[1] - taps + 1
-    out = sum(window[:, k : k + length] * weight[:, k, 0] for k in range(taps))
+    out = multiply_add(*(t for k in range(taps) for t in (window[:, k : k + length], weight[:, k, 0])))
     return out if bias is None else out + bias
+
+
+def merged_linear(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear map whose output is the parts' outputs side by side, or None where they
+    cannot be merged exactly (mixed or differently quantized parts).
+
+    Weights are `[out, in]` and quantization groups run along `in`, so concatenating
+    along `out` (weights, scales, biases alike) computes exactly what the parts did."""
+    first = parts[0]
+    if {type(p) for p in parts} not in ({nn.Linear}, {nn.QuantizedLinear}) or len({"bias" in p for p in parts}) != 1:
+        return None
+    quantized = isinstance(first, nn.QuantizedLinear)
+    if quantized and len({(p.group_size, p.bits, p.mode) for p in parts}) != 1:
+        return None
+    merged = {name: mx.concatenate([p[name] for p in parts]) for name in ("weight", "scales", "biases", "bias") if name in first}
+    outputs, has_bias = merged["weight"].shape[0], "bias" in first
+    # The new module's initial weights are lazy and replaced before anything evaluates them.
+    if quantized:
+        inputs = first.weight.shape[1] * 32 // first.bits  # packed into uint32 words
+        module = nn.QuantizedLinear(inputs, outputs, has_bias, first.group_size, first.bits, first.mode)
+    else:
+        module = nn.Linear(first.weight.shape[1], outputs, bias=has_bias)
+    for name, value in merged.items():
+        setattr(module, name, value)
+    return module
 
 
 class ShortConv(nn.Module):
@@ -98,13 +141,25 @@ class Attention(nn.Module):
     def rope(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=False, base=self.rope_theta, scale=1.0, offset=offset)
 
+    def merge_projections(self) -> None:
+        """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
+        merged = merged_linear([self.q_proj, self.k_proj, self.v_proj])
+        if merged is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self.pop(name)
+            self.qkv_proj = merged
+
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[..., T, H] -> q, k, v as [..., T, heads, D] (q and k normed, no RoPE yet)."""
         lead = x.shape[:-1]
-        q = self.q_layernorm(self.q_proj(x).reshape(*lead, self.heads, self.head_dim))
-        k = self.k_layernorm(self.k_proj(x).reshape(*lead, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).reshape(*lead, self.kv_heads, self.head_dim)
-        return q, k, v
+        if "qkv_proj" in self:
+            q_width = self.heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + self.kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_layernorm(q.reshape(*lead, self.heads, self.head_dim))
+        k = self.k_layernorm(k.reshape(*lead, self.kv_heads, self.head_dim))
+        return q, k, v.reshape(*lead, self.kv_heads, self.head_dim)
 
     def __call__(self, x: mx.array) -> mx.array:
         batch, length, _ = x.shape
@@ -115,7 +170,7 @@ class Attention(nn.Module):
 
     def ragged(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
         q, k, v = (layout.pad(t).transpose(0, 2, 1, 3) for t in self.qkv(x))
-        offset = layout.offsets[0] if layout.lanes == 1 else layout.offsets_array
+        offset = layout.rope_offset()
         q, k = self.rope(q, offset), self.rope(k, offset)
         pool.write(slots, layout, k, v)
         keys, values = pool.read(slots, layout)
@@ -133,8 +188,17 @@ class DenseFFN(nn.Module):
         self.w3 = nn.Linear(hidden, width, bias=False)
         self.w2 = nn.Linear(width, hidden, bias=False)
 
+    def merge_projections(self) -> None:
+        """Serve w1 and w3 from one matmul `w13` (where they merge exactly)."""
+        merged = merged_linear([self.w1, self.w3])
+        if merged is not None:
+            self.pop("w1"), self.pop("w3")
+            self.w13 = merged
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.w2(nn.silu(self.w1(x)) * self.w3(x))
+        if "w13" in self:
+            return self.w2(swiglu(*mx.split(self.w13(x), 2, axis=-1)))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class ExpertLinear(nn.Module):
@@ -168,6 +232,22 @@ class QuantizedExpertLinear(nn.Module):
         )
 
 
+def merged_expert_linear(parts: list[nn.Module]) -> nn.Module | None:
+    """`merged_linear` for per-expert maps `[E, out, in]`: outputs side by side."""
+    first = parts[0]
+    if all(type(p) is ExpertLinear for p in parts):
+        experts, _, inputs = first.weight.shape
+        module = ExpertLinear(experts, inputs, sum(p.weight.shape[1] for p in parts))  # lazy zeros, replaced below
+    elif all(type(p) is QuantizedExpertLinear for p in parts) and len({(p.group_size, p.bits, p.mode) for p in parts}) == 1:
+        module = QuantizedExpertLinear(first.group_size, first.bits, first.mode)
+    else:
+        return None
+    for name in ("weight", "scales", "biases"):
+        if name in first:
+            setattr(module, name, mx.concatenate([p[name] for p in parts], axis=1))
+    return module
+
+
 class Experts(nn.Module):
     """The routed experts' SwiGLU, stacked: w1, w3 `[E, I, H]`, w2 `[E, H, I]`."""
 
@@ -176,6 +256,13 @@ class Experts(nn.Module):
         self.w1 = ExpertLinear(experts, hidden, width)
         self.w3 = ExpertLinear(experts, hidden, width)
         self.w2 = ExpertLinear(experts, width, hidden)
+
+    def merge_projections(self) -> None:
+        """Serve w1 and w3 from one gathered matmul `w13` (where they merge exactly)."""
+        merged = merged_expert_linear([self.w1, self.w3])
+        if merged is not None:
+            self.pop("w1"), self.pop("w3")
+            self.w13 = merged
 
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         """x [R, H], chosen [R, k] -> [R, k, H]."""
@@ -188,7 +275,10 @@ class Experts(nn.Module):
             x, index = x[order // k][:, None, :], chosen.flatten()[order]
         else:
             x, index = x[:, None, None, :], chosen  # [R, 1, 1, H] against [R, k]
-        y = self.w2(nn.silu(self.w1(x, index, sort)) * self.w3(x, index, sort), index, sort)
+        if "w13" in self:
+            y = self.w2(swiglu(*mx.split(self.w13(x, index, sort), 2, axis=-1)), index, sort)
+        else:
+            y = self.w2(swiglu(self.w1(x, index, sort), self.w3(x, index, sort)), index, sort)
         if sort:
             return y[mx.argsort(order)].reshape(rows, k, -1)
         return y.squeeze(-2)
@@ -251,6 +341,17 @@ class Lfm2Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = [DecoderLayer(cfg, i, w) for i, w in enumerate(ffn_widths)]
         self.embedding_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def merge_projections(self) -> None:
+        """Serve with `q|k|v` and `w1|w3` each as one matmul: fewer, larger kernels per
+        step. Layer by layer, so the weights are never held twice. Training and export
+        keep the separate maps of the checkpoint."""
+        for layer in self.layers:
+            if layer.is_attention:
+                layer.self_attn.merge_projections()
+            ffn = layer.feed_forward
+            (ffn.experts if isinstance(ffn, SparseMoE) else ffn).merge_projections()
+            mx.eval(layer.parameters())
 
     def head(self, h: mx.array) -> mx.array:
         """Final norm, then the tied head: `logits = norm(h) @ embed_tokens.T`."""

@@ -4,17 +4,31 @@ A round is one forward over every lane's rows; nothing about a lane's conv state
 until `commit` is told how many of its rows were kept, so a partial accept costs no
 recomputation: KV rows past the kept prefix are simply not counted, and each conv state
 is rebuilt from the inputs the forward recorded.
+
+Rounds whose lanes all feed the same few rows (decode steps, padded verify windows) run
+as one compiled function (`mx.compile`): the caches go in and come out as arrays, and
+every per-round value (offsets, slot ids, tokens) is an array argument, so one trace
+serves every round of the same shape. What is not an array (the widths, the key span,
+contiguous slots, the lane order, the taps) is the trace's `RoundSpec`: a value read
+from Python inside a trace would be baked into it silently.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, key_span
 from .config import Lfm2Config
-from .model import Lfm2Model
+from .model import SMALL_QUERY, Lfm2Model
+
+# Compiled rounds attend a key span rounded up to this many rows (masked past each
+# lane's rows), so a trace serves this many steps before the span grows.
+COMPILED_KEY_BUCKET = 256
+# Traces kept (least recently used dropped): lane counts x widths x spans in use.
+MAX_TRACES = 32
 
 
 class ContextLimitError(ValueError):
@@ -23,13 +37,29 @@ class ContextLimitError(ValueError):
 
 @dataclass
 class RoundRecord:
-    """What commit needs from a forward: the lanes in slot order and each conv layer's
-    input window (the state before the round followed by the round's `u` rows)."""
+    """What commit needs from a forward: the lanes in slot order, each conv layer's input
+    window (the state before the round followed by the round's `u` rows) and, for a
+    one-row round, each conv pool as it is once every lane keeps its row."""
 
     lanes: list[LaneSlot]  # slot order
     order: list[int]  # caller index of each lane in slot order
     layout: RaggedLayout
     conv_windows: dict[int, mx.array]
+    conv_kept: dict[int, mx.array]  # one-row rounds: layer -> its pool with every row kept
+    conv_version: int  # the conv pools' version the forward read
+
+
+@dataclass(frozen=True)
+class RoundSpec:
+    """Everything about a compiled round that is not an array: rounds with the same spec
+    share a trace."""
+
+    widths: tuple[int, ...]  # rows per lane, slot order
+    span: int  # keys attended
+    slots: tuple[int, ...] | None  # contiguous slots (read as views), else None: slot ids come as an array
+    order: tuple[int, ...]  # caller index of each lane in slot order
+    taps: tuple[int, ...]
+    last_only: bool  # logits for each lane's last row only
 
 
 @dataclass
@@ -44,8 +74,13 @@ class RoundOutput:
 
 
 class Lfm2Target:
-    def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16):
+    def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16, compiled: bool = True):
+        """`compiled`: run uniform rounds of few rows as compiled functions (see above)."""
         self.model = model
+        self.compiled = compiled
+        self._conv_version = 0  # counts changes to the conv pools (see commit)
+        self._traces: OrderedDict[RoundSpec, object] = OrderedDict()
+        model.merge_projections()
         self.config = config
         self.max_lanes = max_lanes
         self.dtype = model.embed_tokens.weight.dtype if hasattr(model.embed_tokens, "weight") else mx.float16
@@ -69,6 +104,7 @@ class Lfm2Target:
 
     def open_lane(self) -> LaneSlot:
         lane = self.slots.open()
+        self._conv_version += 1
         for pool in self.conv.values():
             pool.clear(lane.slot)
         return lane
@@ -106,37 +142,97 @@ class Lfm2Target:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
-        layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order], key_bucket)
+        widths_sorted, offsets_sorted = [widths[i] for i in order], [offsets[i] for i in order]
+        slots = [lanes[i].slot for i in order]
+        compile_round = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
+        span = key_span(offsets_sorted, widths[0], max(key_bucket, COMPILED_KEY_BUCKET)) if compile_round else None
+        layout = RaggedLayout(widths_sorted, offsets_sorted, key_bucket, span=span)
         for pool in self.kv.values():
             pool.reserve(layout.span)
-        identity = order == sorted(order)
         if lazy:
-            packed = tokens.astype(mx.int32) if identity else tokens[mx.array(order)].astype(mx.int32)
+            packed = tokens if order == sorted(order) else tokens[mx.array(order)]
+            packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
-        slots = [lanes[i].slot for i in order]
-        h, tapped, windows = self.model.ragged(packed, layout, slots, self.kv, self.conv, taps)
-        # Back to the caller's lane order.
-        sorted_starts = dict(zip(order, layout.row_starts))
-        row_starts, position = [], 0
-        for i in range(len(lanes)):
-            row_starts.append(position)
-            position += widths[i]
-        if not identity:
-            caller_rows = mx.array([sorted_starts[i] + j for i in range(len(lanes)) for j in range(widths[i])], dtype=mx.int32)
-            h = h[caller_rows]
-        if logits == "last":
-            last = mx.array([s + w - 1 for s, w in zip(row_starts, widths)], dtype=mx.int32)
-            out_logits = self.model.head(h[last])
+        last_only = logits == "last"
+        state = [a for pool in self.kv.values() for a in (pool.keys, pool.values)] + [pool.state for pool in self.conv.values()]
+        if compile_round:
+            contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+            spec = RoundSpec(tuple(widths_sorted), layout.span, tuple(slots) if contiguous else None, tuple(order), taps, last_only)
+            slot_ids = [] if contiguous else [layout.slot_ids(slots)]
+            outputs = self._trace(spec)(packed, layout.offsets_array, *slot_ids, *state)
         else:
-            out_logits = self.model.head(h)
-        out_taps = None
-        if tapped:
-            out_taps = mx.concatenate(tapped, axis=-1)
-            if not identity:
-                out_taps = out_taps[caller_rows]
-        record = RoundRecord([lanes[i] for i in order], order, layout, windows)
+            outputs = self._round(layout, slots, order, taps, last_only, packed, state)
+        out_logits, out_taps, kv_state, windows, conv_after = self._unflatten(outputs, bool(taps))
+        for pool, (keys, values) in zip(self.kv.values(), kv_state):
+            pool.keys, pool.values = keys, values
+        conv_kept = dict(zip(self.conv, conv_after))
+        row_starts, position = [], 0
+        for w in widths:
+            row_starts.append(position)
+            position += w
+        record = RoundRecord([lanes[i] for i in order], order, layout, windows, conv_kept, self._conv_version)
         return RoundOutput(out_logits, out_taps, row_starts, widths, record)
+
+    def _trace(self, spec: RoundSpec):
+        """The compiled round of this spec, traced on first use."""
+        if spec in self._traces:
+            self._traces.move_to_end(spec)
+            return self._traces[spec]
+
+        def round_fn(packed, offsets, *arrays):
+            layout = RaggedLayout(list(spec.widths), None, offsets_array=offsets, span=spec.span)
+            slots = list(spec.slots) if spec.slots is not None else arrays[0]
+            state = arrays if spec.slots is not None else arrays[1:]
+            return self._round(layout, slots, list(spec.order), spec.taps, spec.last_only, packed, state)
+
+        self._traces[spec] = mx.compile(round_fn)
+        if len(self._traces) > MAX_TRACES:
+            self._traces.popitem(last=False)
+        return self._traces[spec]
+
+    def _round(self, layout: RaggedLayout, slots, order: list[int], taps: tuple[int, ...], last_only: bool,
+               packed: mx.array, state: list[mx.array]) -> list[mx.array]:
+        """A round as a function of arrays (eager or traced): packed tokens (slot order)
+        and the cache arrays in; logits and taps (caller order), the cache arrays after
+        the round's KV writes, each conv layer's window and, for one-row rounds, each conv
+        pool once the rows are kept, out (flat, see `_unflatten`)."""
+        kv_arrays = state[: 2 * len(self.kv)]
+        kv = {i: pool.holding(*kv_arrays[2 * j : 2 * j + 2]) for j, (i, pool) in enumerate(self.kv.items())}
+        conv = {i: pool.holding(s) for (i, pool), s in zip(self.conv.items(), state[2 * len(self.kv) :])}
+        h, tapped, windows = self.model.ragged(packed, layout, slots, kv, conv, taps)
+        widths = [0] * len(order)
+        for i, w in zip(order, layout.widths):
+            widths[i] = w
+        if order != sorted(order):  # back to the caller's lane order
+            sorted_starts = dict(zip(order, layout.row_starts))
+            caller_rows = mx.array([sorted_starts[i] + j for i in range(len(order)) for j in range(widths[i])], dtype=mx.int32)
+            h = h[caller_rows]
+            tapped = [t[caller_rows] for t in tapped]
+        if last_only:
+            ends = [sum(widths[: i + 1]) - 1 for i in range(len(widths))]
+            h = h[mx.array(ends, dtype=mx.int32)]
+        outputs = [self.model.head(h)]
+        if tapped:
+            outputs.append(mx.concatenate(tapped, axis=-1))
+        outputs += [a for pool in kv.values() for a in (pool.keys, pool.values)]
+        outputs += [windows[i] for i in self.conv]
+        if layout.width == 1:
+            span = self.config.conv_kernel - 1
+            for i, pool in conv.items():
+                pool.write(slots, layout, windows[i][:, -span:])
+            outputs += [pool.state for pool in conv.values()]
+        return outputs
+
+    def _unflatten(self, outputs: list[mx.array], tapped: bool):
+        """`_round`'s flat outputs -> logits, taps, KV pairs, conv windows, conv pools after."""
+        outputs = list(outputs)
+        logits = outputs.pop(0)
+        taps = outputs.pop(0) if tapped else None
+        kv = [(outputs[2 * j], outputs[2 * j + 1]) for j in range(len(self.kv))]
+        outputs = outputs[2 * len(self.kv) :]
+        windows = dict(zip(self.conv, outputs[: len(self.conv)]))
+        return logits, taps, kv, windows, outputs[len(self.conv) :]
 
     def commit(self, output: RoundOutput, kept: list[int]) -> None:
         """Keep the first `kept[i]` rows of lane i (caller order); drop the rest."""
@@ -146,6 +242,13 @@ class Lfm2Target:
             if not 1 <= k <= w:
                 raise ValueError(f"a lane keeps {k} of {w} rows; it must keep between 1 and all")
             lane.length += k
+        self._conv_version += 1
+        if record.conv_kept and record.conv_version == self._conv_version - 1:
+            # A one-row round, committed before any other change to the conv pools: its
+            # forward already built each pool with every row kept.
+            for i, state in record.conv_kept.items():
+                self.conv[i].state = state
+            return
         span = self.config.conv_kernel - 1
         if record.conv_windows:
             if all(k == record.layout.width for k in kept_sorted):

@@ -1,0 +1,221 @@
+"""What one plain decode step and one drafting round cost, and how many operations they issue.
+
+    python -m bench.bench_step [--model DIR --drafter DIR] [--dtype float32] [--lanes 1,8,16] [--seconds 2]
+
+Defaults to the embedded default target and drafter. For each lane count, after every
+lane has read a random prompt of `--context` tokens:
+
+- plain step: one target forward with one row per lane, fed the previous step's lazy
+  argmax (as the engine's pipelined plain rounds are), the taps a drafter reads, argmax,
+  commit, and everything evaluated (tokens, taps, every cache write);
+- drafting round: one committed row per lane appended to the drafter's context, then a
+  proposal of the drafter's width per lane, evaluated with the context it wrote;
+- peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
+  the same number of sequences, on the same checkpoint, in the same process.
+
+Each is run for `--seconds`, in turns (`--turns`, the systems alternate within a turn),
+and reported as the median milliseconds of its steps with the spread of the turns'
+medians. `ops` counts the primitives in one step's graph (as `mx.export_to_dot` sees
+them: under `mx.compile` a fused elementwise chain is one); `kernels` leaves out the
+ones that only make views (reshape, slice, broadcast, ...), which launch nothing.
+Writes NAME.json and NAME.md under --out when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from families.lfm2 import open_target
+from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
+from families.lfm2.drafter import load_drafter
+
+# Primitives that produce views of their input and launch no kernel.
+VIEWS = {"Broadcast", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient", "AsStrided", "Split", "Depends"}
+
+
+def count_ops(outputs: list[mx.array]) -> tuple[int, int]:
+    """(primitives, primitives that are not views) in the graph that builds `outputs`."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *outputs)
+        labels = re.findall(r'label ="([^"]+)"', Path(f.name).read_text())
+    return len(labels), sum(label not in VIEWS for label in labels)
+
+
+class PlainSteps:
+    def __init__(self, target, slots, first_tokens: mx.array, taps):
+        self.target, self.slots, self.tokens, self.taps = target, slots, first_tokens, taps
+
+    def build(self) -> list[mx.array]:
+        out = self.target.forward(self.slots, self.tokens, taps=self.taps, key_bucket=256 if len(self.slots) > 1 else 1)
+        self.tokens = mx.argmax(out.logits, axis=-1)
+        self.target.commit(out, [1] * len(self.slots))
+        return [self.tokens, *([out.taps] if out.taps is not None else []), *self.target.state_arrays()]
+
+
+class DraftRounds:
+    def __init__(self, drafter, slots, anchors: list[int], taps_width: int, dtype):
+        self.drafter, self.slots, self.anchors = drafter, slots, anchors
+        self.row = mx.zeros((1, taps_width), dtype=dtype)
+
+    def build(self) -> list[mx.array]:
+        n = len(self.slots)
+        self.drafter.append(self.slots, [self.row] * n, [[0]] * n)
+        proposal = self.drafter.propose(self.slots, self.anchors, self.drafter.width)
+        for slot in self.slots:
+            slot.length -= 1  # the context stays where it was: every round costs the same
+        return [*proposal.arrays(), *self.drafter.state_arrays()]
+
+
+class PeerSteps:
+    """mlx-lm's BatchGenerator decoding the same number of sequences."""
+
+    def __init__(self, path: str, dtype: str | None, prompts: list[list[int]]):
+        import mlx_lm
+        from mlx.utils import tree_flatten
+        from mlx_lm.generate import BatchGenerator
+
+        model, _ = mlx_lm.load(path)
+        if dtype:
+            keep = getattr(model, "cast_predicate", lambda name: True)
+            cast = [(k, v.astype(getattr(mx, dtype))) for k, v in tree_flatten(model.parameters()) if keep(k) and mx.issubdtype(v.dtype, mx.floating)]
+            model.load_weights(cast, strict=False)
+        self.generator = BatchGenerator(model, max_tokens=10**7, stop_tokens=None, completion_batch_size=len(prompts),
+                                        prefill_batch_size=len(prompts), prefill_step_size=512)
+        self.generator.insert(prompts)
+        self.generator.next_generated()
+
+    def step(self) -> None:
+        self.generator.next_generated()
+
+
+def timed_steps(step, seconds: float) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU seconds of each step (the CPU time of all the process's
+    threads is the steadier figure on a shared CPU)."""
+    wall, cpu, deadline = [], [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(wall) < 3:
+        started, started_cpu = time.perf_counter(), time.process_time()
+        step()
+        wall.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
+    return wall, cpu
+
+
+def evaluated(build):
+    return lambda: mx.eval(build())
+
+
+def run(args) -> dict:
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes))
+    target = loaded.target
+    drafter = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=max(args.lanes)) if args.drafter else None
+    taps = drafter.tap_layers if drafter else ()
+    rng = np.random.default_rng(0)
+    result = {"command": " ".join(shlex.quote(a) for a in sys.argv), "model": args.model, "drafter": args.drafter,
+              "dtype": args.dtype, "context": args.context, "seconds": args.seconds, "turns": args.turns,
+              "device": str(mx.default_device()), "commit": commit(), "lanes": {}}
+    for lanes in args.lanes:
+        prompts = [[int(t) for t in rng.integers(20, min(4000, target.vocab_size), args.context)] for _ in range(lanes)]
+        slots = [target.open_lane() for _ in range(lanes)]
+        dslots = [drafter.open_lane() for _ in range(lanes)] if drafter else []
+        last = []
+        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+            logits, rows = target.prefill(slot, prompt, chunk=512, taps=taps)
+            last.append(mx.argmax(logits))
+            if drafter:
+                drafter.append([dslots[i]], [rows], [prompt])
+        systems = {"plain": PlainSteps(target, slots, mx.stack(last).astype(mx.int32), taps).build}
+        if drafter:
+            systems["draft"] = DraftRounds(drafter, dslots, [p[-1] for p in prompts], len(taps) * target.config.hidden_size, drafter.dtype).build
+        cell = {name: {"ops": count_ops(build()), "turns": []} for name, build in systems.items()}
+        steps = {name: evaluated(build) for name, build in systems.items()}
+        if args.peer:
+            peer = PeerSteps(args.model, args.dtype, prompts)
+            steps["peer"], cell["peer"] = peer.step, {"turns": []}
+        for step in steps.values():  # first-use costs (compilation, plans) stay out of the timing
+            for _ in range(3):
+                step()
+        for turn in range(args.turns):
+            order = list(steps) if turn % 2 == 0 else list(reversed(steps))
+            for name in order:
+                wall, cpu = timed_steps(steps[name], args.seconds)
+                cell[name]["turns"].append({"median_ms": statistics.median(wall) * 1e3, "cpu_ms": statistics.median(cpu) * 1e3, "steps": len(wall)})
+        for name, c in cell.items():
+            medians = [t["median_ms"] for t in c["turns"]]
+            c["median_ms"], c["spread_ms"] = statistics.median(medians), [min(medians), max(medians)]
+            c["cpu_ms"] = statistics.median(t["cpu_ms"] for t in c["turns"])
+        if args.peer:
+            cell["plain_over_peer_speed"] = cell["peer"]["median_ms"] / cell["plain"]["median_ms"]
+            del peer
+        if drafter:
+            cell["draft_over_plain"] = cell["draft"]["median_ms"] / cell["plain"]["median_ms"]
+            for slot in dslots:
+                drafter.close_lane(slot)
+        for slot in slots:
+            target.close_lane(slot)
+        result["lanes"][lanes] = cell
+        print(f"lanes {lanes}: " + "; ".join(
+            f"{name} {c['median_ms']:.3f} ms [{c['spread_ms'][0]:.3f}, {c['spread_ms'][1]:.3f}] cpu {c['cpu_ms']:.3f}" + (f" ops {c['ops'][0]} kernels {c['ops'][1]}" if "ops" in c else "")
+            for name, c in cell.items() if isinstance(c, dict)), flush=True)
+    return result
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def markdown(result: dict) -> str:
+    lines = [f"`{result['command']}` at {result['commit']} on {result['device']}, context {result['context']}, "
+             f"{result['turns']} turns of {result['seconds']} s", "",
+             "| lanes | system | median ms | spread of turn medians | process CPU ms | ops | kernels |", "|---|---|---|---|---|---|---|"]
+    for lanes, cell in result["lanes"].items():
+        for name, c in cell.items():
+            if isinstance(c, dict):
+                ops = c.get("ops", ("", ""))
+                lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | {c['cpu_ms']:.3f} | {ops[0]} | {ops[1]} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(default_target_dir()))
+    p.add_argument("--drafter", default=None, help="a DSpark drafter directory (default: the default drafter with the default model)")
+    p.add_argument("--no-drafter", action="store_true", help="time plain steps only")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--lanes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 16])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=2.0, help="seconds per system per turn")
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--peer", action="store_true", help="also time mlx-lm's BatchGenerator (needs mlx-lm)")
+    p.add_argument("--out", help="directory for NAME.json and NAME.md")
+    p.add_argument("--name", default="step")
+    args = p.parse_args()
+    if args.drafter is None and not args.no_drafter and args.model == str(default_target_dir()):
+        args.drafter = str(default_drafter_dir())
+    if args.no_drafter:
+        args.drafter = None
+    result = run(args)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / f"{args.name}.md").write_text(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The serving layout of the target: merged projections compute what the checkpoint's
+separate ones do, and compiled rounds equal eager ones step for step (float32, CPU),
+including across key-span buckets, out-of-order and non-contiguous slots, verify windows
+with partial accepts, and rounds fed the previous round's lazy choices."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from families.lfm2 import Lfm2Target, load_model
+from families.lfm2.cache import RaggedLayout
+from families.lfm2.target import COMPILED_KEY_BUCKET
+
+TAPS = (1, 3)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(15, 500, n)]
+
+
+def lane_state(target, lane) -> dict[str, np.ndarray]:
+    """The committed part of a lane's caches."""
+    state = {}
+    committed = RaggedLayout([1], [lane.length - 1])
+    for i, pool in target.kv.items():
+        keys, values = pool.read([lane.slot], committed)
+        state[f"k{i}"], state[f"v{i}"] = np.array(keys), np.array(values)
+    for i, pool in target.conv.items():
+        state[f"conv{i}"] = np.array(pool.read([lane.slot], committed))
+    return state
+
+
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_merged_projections_compute_the_separate_ones(checkpoint, quantized, request):
+    model, _ = load_model(request.getfixturevalue(checkpoint))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0)
+    prompt = mx.array([tokens(0, 40)])
+    separate, separate_taps = model(prompt, taps=TAPS)
+    model.merge_projections()
+    merged, merged_taps = model(prompt, taps=TAPS)
+    names = {name for name, _ in nn.utils.tree_flatten(model.parameters())}
+    assert any(".self_attn.qkv_proj." in n for n in names) and any(".w13." in n for n in names)
+    assert not any(".self_attn.q_proj." in n or ".w1." in n for n in names)
+    np.testing.assert_allclose(np.array(merged), np.array(separate), rtol=1e-5, atol=1e-5)
+    for a, b in zip(merged_taps, separate_taps):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+
+
+def test_differently_quantized_projections_stay_separate(dense_dir):
+    model, _ = load_model(dense_dir)
+    attention = next(layer.self_attn for layer in model.layers if layer.is_attention)
+    attention.q_proj = nn.QuantizedLinear.from_linear(attention.q_proj, group_size=32, bits=8)
+    attention.k_proj = nn.QuantizedLinear.from_linear(attention.k_proj, group_size=32, bits=4)
+    prompt = mx.array([tokens(0, 12)])
+    before, _ = model(prompt)
+    model.merge_projections()
+    assert "q_proj" in attention and "qkv_proj" not in attention
+    after, _ = model(prompt)
+    np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-5, atol=1e-5)
+
+
+def pair(path, lanes=4):
+    """The same checkpoint served eagerly and compiled."""
+    targets = []
+    for compiled in (False, True):
+        model, config = load_model(path)
+        targets.append(Lfm2Target(model, config, max_lanes=lanes, compiled=compiled))
+    return targets
+
+
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+def test_compiled_decode_equals_eager_across_span_buckets(checkpoint, request):
+    """Four lanes, given out of slot order, decode greedily past a key-span bucket, each
+    round fed the previous round's unread choices: logits, taps, tokens and caches match."""
+    eager, compiled = pair(request.getfixturevalue(checkpoint))
+    contexts = [COMPILED_KEY_BUCKET - 6, 9, 30, COMPILED_KEY_BUCKET - 3]
+    order = [2, 0, 3, 1]
+    runs = []
+    for target in (eager, compiled):
+        lanes = [target.open_lane() for _ in contexts]
+        firsts = [target.prefill(lane, tokens(i, n))[0] for i, (lane, n) in enumerate(zip(lanes, contexts))]
+        fed = mx.argmax(mx.stack([firsts[i] for i in order]), axis=-1)
+        steps = []
+        for _ in range(10):
+            out = target.forward([lanes[i] for i in order], fed, taps=TAPS, key_bucket=4)
+            fed = mx.argmax(out.logits, axis=-1)
+            target.commit(out, [1] * len(order))
+            mx.eval(fed, out.taps, *target.state_arrays())
+            steps.append((np.array(out.logits), np.array(out.taps), fed.tolist()))
+        runs.append((steps, [lane_state(target, lane) for lane in lanes]))
+    (eager_steps, eager_state), (compiled_steps, compiled_state) = runs
+    for (logits_e, taps_e, fed_e), (logits_c, taps_c, fed_c) in zip(eager_steps, compiled_steps):
+        assert fed_c == fed_e
+        np.testing.assert_allclose(logits_c, logits_e, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(taps_c, taps_e, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(compiled_state, eager_state):
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    decode_traces = [spec for spec in compiled._traces if spec.widths == (1,) * len(order)]
+    assert len(decode_traces) == 2  # one trace per key-span bucket, none per step
+
+
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+def test_compiled_verify_windows_and_partial_accepts_equal_eager(checkpoint, request):
+    """Uniform windows of 5 rows over non-contiguous slots, partial accepts, then plain
+    steps from where each lane stopped."""
+    eager, compiled = pair(request.getfixturevalue(checkpoint), lanes=5)
+    results = []
+    for target in (eager, compiled):
+        slots = [target.open_lane() for _ in range(5)]
+        target.close_lane(slots[1])  # lanes at slots 0, 2, 4: a gather, not a slice
+        target.close_lane(slots[3])
+        lanes = [slots[4], slots[0], slots[2]]
+        for i, lane in enumerate(lanes):
+            target.prefill(lane, tokens(20 + i, 11 + 7 * i))
+        logs = []
+        for round_ in range(3):
+            windows = [tokens(100 * round_ + i, 5) for i in range(len(lanes))]
+            out = target.forward(lanes, windows, taps=TAPS)
+            target.commit(out, [1 + (round_ + i) % 5 for i in range(len(lanes))])
+            step = target.forward(lanes, [[w[0]] for w in windows])
+            target.commit(step, [1] * len(lanes))
+            mx.eval(out.logits, out.taps, step.logits, *target.state_arrays())
+            logs += [np.array(out.logits), np.array(out.taps), np.array(step.logits)]
+        results.append((logs, [lane_state(target, lane) for lane in lanes]))
+    (eager_logs, eager_state), (compiled_logs, compiled_state) = results
+    for ours, theirs in zip(compiled_logs, eager_logs):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(compiled_state, eager_state):
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_an_uncommitted_step_leaves_the_conv_state(dense_dir):
+    """A one-row forward builds its conv pools with the row kept, but only commit swaps
+    them in; a round committed in between makes commit rebuild them from the windows."""
+    model, config = load_model(dense_dir)
+    target = Lfm2Target(model, config, max_lanes=2)
+    lane, other = target.open_lane(), target.open_lane()
+    target.prefill(lane, tokens(1, 20))
+    target.prefill(other, tokens(2, 20))
+    before = lane_state(target, lane)
+    target.forward([lane], [[5]])  # a rehearsal: never committed
+    mx.eval(target.state_arrays())
+    for name, value in lane_state(target, lane).items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+    first = target.forward([lane], [[5]])
+    step_other = target.forward([other], [[6]])
+    target.commit(step_other, [1])
+    target.commit(first, [1])  # after another commit: rebuilt from its windows
+    mx.eval(target.state_arrays())
+
+    reference_model, _ = load_model(dense_dir)
+    reference = Lfm2Target(reference_model, config, max_lanes=2, compiled=False)
+    ref_lane, ref_other = reference.open_lane(), reference.open_lane()
+    reference.prefill(ref_lane, tokens(1, 20))
+    reference.prefill(ref_other, tokens(2, 20))
+    for lane_, ref, token in ((lane, ref_lane, 5), (other, ref_other, 6)):
+        reference.commit(reference.forward([ref], [[token]]), [1])
+        ours, theirs = lane_state(target, lane_), lane_state(reference, ref)
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
