@@ -2,7 +2,7 @@
 
     python -m bench.bench_concurrent --url [NAME=]URL [--url [NAME=]URL2 ...] --streams 1,4,8,16
         [--prompts FILE|builtin] [--distinct|--same] [--max-tokens N] [--draft on|off|both]
-        [--rounds R] [--min-seconds S] [--out DIR] [--model NAME] [--endpoint chat|completions]
+        [--rounds R] [--min-seconds S] [--out DIR] [--model NAME] [--endpoint chat|completions] [--time-budget S]
 
 A cell is one server, one draft setting and one stream count N: N workers each keep one
 streamed request in flight, so exactly N streams are in flight from the cell's start
@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .concurrent_report import markdown, plot, summarize
+from .concurrent_report import markdown, summarize, write_report
 from .openai_stream import RequestSpec, Sampling, scrape, stream, token_counting
 from .prompts import load_prompts
 from .serving_metrics import RequestRecord, cell_metrics, counter_deltas, has_spec_decode, rounds_by_kind, spec_decode_metrics
@@ -193,8 +193,7 @@ def write(out: Path, result: dict, final: bool) -> None:
     result["summary"] = summarize(result["cells"], result["baseline"])
     (out / "bench_concurrent.json").write_text(json.dumps(result, indent=2) + "\n")
     if final:
-        (out / "bench_concurrent.md").write_text(markdown(result))
-        plot(result, out / "bench_concurrent.png")
+        write_report(out, result)
 
 
 async def run(args) -> dict:
@@ -219,18 +218,26 @@ async def run(args) -> dict:
             "baseline": settings[0].label,
             "prompts": args.prompts, "prompt_count": len(prompts), "distinct": args.distinct,
             "endpoint": args.endpoint, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "min_seconds": args.min_seconds, "rounds": args.rounds, "streams": args.streams,
+            "min_seconds": args.min_seconds, "rounds": args.rounds, "rounds_run": 0, "streams": args.streams,
             "cells": [],
         }
         runner = Runner(args, session, prompts)
+        began = time.perf_counter()
         await runner.prime(servers, max(args.streams))
         progress = Progress(args.rounds * len(args.streams) * len(settings))
+        rounds_began = time.perf_counter()
         for round_ in range(args.rounds):
+            now = time.perf_counter()
+            if args.time_budget and round_ > 0 and now - began + (now - rounds_began) / round_ > args.time_budget:
+                print(f"stopping after {round_} round(s): another would pass --time-budget {args.time_budget:.0f} s",
+                      file=sys.stderr, flush=True)
+                break
             order = settings[round_ % len(settings):] + settings[: round_ % len(settings)]
             for streams in args.streams:
                 for setting in order:
                     result["cells"].append(await runner.cell(setting, streams, round_, progress))
                     write(out, result, final=False)
+            result["rounds_run"] = round_ + 1
     write(out, result, final=True)
     return result
 
@@ -254,6 +261,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the request's `model` field (default: left out, each server's own model)")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--time-budget", type=float, help="start no round that would end past this many seconds from the "
+                   "start (estimated from the rounds so far; the first always runs)")
     return p
 
 

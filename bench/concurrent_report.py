@@ -1,5 +1,7 @@
 """bench_concurrent's report: figures over rounds, the markdown table and the plots.
 
+    python -m bench.concurrent_report DIR   # DIR/bench_concurrent.json -> .md and .png again
+
 Every figure is reported as its median over rounds with the min and max beside it; the
 ratio to the baseline setting is taken per round (cells of one round ran next to each
 other) and then its median, min and max over rounds.
@@ -8,6 +10,8 @@ other) and then its median, min and max over rounds.
 from __future__ import annotations
 
 import statistics
+import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -62,7 +66,8 @@ def markdown(result: dict) -> str:
         f"- started {result['started']} on {result['machine']}",
         f"- {result['prompt_count']} prompts ({result['prompts']}, {'distinct per request' if result['distinct'] else 'all the same'}), "
         f"{result['endpoint']} endpoint, max_tokens {result['max_tokens']}, temperature {result['temperature']}",
-        f"- cells of at least {result['min_seconds']} s with the streams full, {result['rounds']} round(s); each figure is the "
+        f"- cells of at least {result['min_seconds']} s with the streams full, {result['rounds_run']} round(s) of "
+        f"{result['rounds']} asked; each figure is the "
         "median over rounds [min-max]; 'vs base' is the per-round ratio of output tok/s to "
         f"`{result['baseline']}` at the same streams",
         "- servers: " + "; ".join(f"{s['label']} {s['url']} (/metrics {'yes' if s['metrics'] else 'no'}, "
@@ -110,7 +115,8 @@ def plot(result: dict, path: Path) -> None:
         if not entries:
             continue
         color = f"C{i}"
-        streams = [e["streams"] for e in entries]
+        dodge = 2 ** (0.03 * (i - (len(result["settings"]) - 1) / 2))  # settings side by side, so bars do not hide each other
+        streams = [e["streams"] * dodge for e in entries]
 
         def bars(key):
             s = [e[key] for e in entries]
@@ -138,3 +144,21 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_report(out: Path, result: dict) -> None:
+    """The table and, where matplotlib is installed, the plots (else re-run this module
+    on the JSON where it is)."""
+    (out / "bench_concurrent.md").write_text(markdown(result))
+    try:
+        plot(result, out / "bench_concurrent.png")
+    except ImportError:
+        print("no matplotlib here: no plot; `python -m bench.concurrent_report DIR` makes it from the JSON",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    folder = Path(sys.argv[1])
+    data = json.loads((folder / "bench_concurrent.json").read_text())
+    data["summary"] = summarize(data["cells"], data["baseline"])
+    write_report(folder, data)

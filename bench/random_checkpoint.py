@@ -14,6 +14,12 @@ assembled in memory either. Weights are scaled like a trained model's (standard
 deviation 1/sqrt(fan_in), norms near 1) so activations stay O(1) through every layer
 and finite in bf16. The tokenizer is a small trained BPE while config.json keeps the
 real vocab_size, as released models pad their embedding past the tokenizer.
+
+`--decisive S` scales every layer's output projections (attention and conv `out_proj`,
+feed-forward and expert `w2`) by S, as bench_engine's `--decisive` does in memory: the
+residual stream keeps its input token's direction and greedy choices win by wide
+margins, as a trained model's do, so a GPU's verify rows and one-row steps agree and
+the scripted drafter keeps its track. On disk, every server loads the same weights.
 """
 
 from __future__ import annotations
@@ -81,12 +87,14 @@ class Spec:
     keep_float32: bool = False
 
 
-def tensor_specs(kind: str, shape: TinyShape) -> list[Spec]:
-    """Every tensor of the checkpoint, in HF names and layouts, per-expert for MoE."""
+def tensor_specs(kind: str, shape: TinyShape, decisive: float = 1.0) -> list[Spec]:
+    """Every tensor of the checkpoint, in HF names and layouts, per-expert for MoE;
+    layers' output projections scaled by `decisive`."""
     h, head_dim = shape.hidden, shape.hidden // shape.heads
 
     def linear(name: str, rows: int, cols: int) -> Spec:
-        return Spec(name, (rows, cols), 1 / math.sqrt(cols))
+        output = name.endswith(("out_proj.weight", "w2.weight"))
+        return Spec(name, (rows, cols), (decisive if output else 1.0) / math.sqrt(cols))
 
     def norm(name: str, size: int) -> Spec:
         return Spec(name, (size,), 0.1, mean=1.0)
@@ -169,7 +177,7 @@ def write_shard(path: Path, entries: list[tuple[Spec, str]], progress) -> int:
     return offset
 
 
-def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16", seed: int = 0, decisive: float = 1.0) -> Path:
     kind, shape = PRESETS[preset]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +190,7 @@ def make_random_checkpoint(out: str | Path, preset: str, dtype: str = "bfloat16"
     write_tokenizer(out, min(shape.vocab, TOKENIZER_VOCAB))
 
     mx.random.seed(seed)
-    specs = tensor_specs(kind, shape)
+    specs = tensor_specs(kind, shape, decisive)
     shards = shard(specs, dtype)
     total = sum(nbytes_of(s, t) for entries in shards for s, t in entries)
     print(f"{preset}: {len(specs)} tensors, {total / 1e9:.2f} GB in {len(shards)} shard(s) of {dtype} -> {out}", flush=True)
@@ -211,8 +219,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory to write")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(TAGS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decisive", type=float, default=1.0, help="scale of the layers' output projections (see above)")
     args = parser.parse_args()
-    make_random_checkpoint(args.out, args.preset, args.dtype, args.seed)
+    make_random_checkpoint(args.out, args.preset, args.dtype, args.seed, args.decisive)
 
 
 if __name__ == "__main__":
