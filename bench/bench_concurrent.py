@@ -119,10 +119,12 @@ class Runner:
         self.prompts = prompts
 
     def spec(self, k: int, setting: Setting) -> RequestSpec:
-        prompt = self.prompts[k % len(self.prompts)] if self.args.distinct else self.prompts[0]
-        sampling = Sampling(self.args.temperature, self.args.seed + k if self.args.temperature > 0 else None)
+        index = k % len(self.prompts) if self.args.distinct else 0
+        # A prompt keeps its seed, so its reply is the one the priming pass recorded.
+        sampling = Sampling(self.args.temperature, self.args.seed + index if self.args.temperature > 0 else None)
         logprobs = 0 if setting.server.counting == "logprobs" else None
-        return RequestSpec(prompt, self.args.max_tokens, sampling, setting.draft, self.args.endpoint, self.args.model, logprobs)
+        return RequestSpec(self.prompts[index], self.args.max_tokens, sampling, setting.draft, self.args.endpoint,
+                           self.args.model, logprobs)
 
     async def untimed(self, setting: Setting, count: int, concurrency: int) -> list[RequestRecord]:
         gate = asyncio.Semaphore(concurrency)
@@ -253,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
     order.add_argument("--same", dest="distinct", action="store_false", help="every request sends the first prompt")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="with --temperature > 0: request k sends seed SEED + k")
+    p.add_argument("--seed", type=int, default=0, help="with --temperature > 0: prompt i is sent with seed SEED + i")
     p.add_argument("--draft", choices=["on", "off", "both"], default="both")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-seconds", type=float, default=10.0, help="measured requests start for this long per cell")
