@@ -25,6 +25,7 @@ import mlx.core as mx
 from .detokenize import IncrementalDetokenizer
 from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request, Timings
 from .round import RoundRunner
+from .warmup import profile, rehearsal
 
 log = logging.getLogger("laneserve.engine")
 
@@ -152,8 +153,8 @@ class Engine:
         not draft, context folds), at one lane and at `max_streams`, so that what a
         backend builds on first use (kernels, plans) exists before a guard times it.
         What that traffic would teach (guard evidence, calibration, round costs,
-        counters) goes to throwaway instances, and it counts in no total. Then the cost
-        table is seeded by the round runner's short profile."""
+        counters) goes to throwaway instances, and it counts in no total. Then every
+        steady shape runs once and the cost table is seeded (see lanes/warmup.py)."""
         lanes, vocab = self.config.max_streams, self.target.vocab_size
         rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
         prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
@@ -164,12 +165,12 @@ class Engine:
         ]
         with self._lock:
             totals, finished = dict(self._totals), Counter(self._finished_by_reason)
-        with self.rounds.rehearsal():
+        with rehearsal(self.rounds):
             for batch in batches:
                 self.generate(batch)
         with self._lock:
             self._totals, self._finished_by_reason = totals, finished
-        self.rounds.warm_up(self.config.max_streams)
+        profile(self.rounds, self.config.max_streams)
 
     def run(self, stopping: threading.Event, wake: threading.Event) -> None:
         """The engine thread's loop: step until `stopping` is set and nothing is in flight

@@ -48,6 +48,12 @@ class Target(Protocol):
     def state_arrays(self) -> list[mx.array]:
         """Every cache array, to evaluate a round's writes with its outputs."""
 
+    def plans_per_shape(self) -> bool:
+        """Whether the backend builds a plan per new shape (rounds then pad to steady shapes)."""
+
+    def row_bucket(self, rows: int, ceiling: int | None = None) -> int:
+        """The steady row count `rows` pads to where shapes are kept steady."""
+
     def kv_bytes(self) -> int: ...
     def kv_bytes_in_use(self) -> int: ...
 

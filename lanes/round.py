@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-
-from families.lfm2.cache import plans_per_shape, row_bucket
 
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
@@ -106,8 +103,8 @@ class RoundRunner:
         self.clock = clock
         self.counters = RoundCounters()
         # Pad varying row counts to buckets and key spans of several lanes to KEY_BUCKET:
-        # by default where the backend plans per shape (see plans_per_shape).
-        self.steady_shapes = plans_per_shape() if steady_shapes is None else steady_shapes
+        # by default where the backend plans per shape (the family knows which).
+        self.steady_shapes = target.plans_per_shape() if steady_shapes is None else steady_shapes
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
         if drafter is not None:
@@ -119,97 +116,12 @@ class RoundRunner:
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.calibrator = ConfidenceCalibrator(self.proposals)
 
-    @contextmanager
-    def rehearsal(self):
-        """Rounds run inside draft every round they can, and what they would teach (guard
-        evidence, calibration, costs, counters) goes to throwaway instances."""
-        kept = self.guard, self.costs, self.counters, getattr(self, "calibrator", None), self.draft_width
-        self.guard, self.costs, self.counters = DraftGuard(), CostTable(), RoundCounters()
-        if self.drafter is not None:
-            self.calibrator = ConfidenceCalibrator(self.proposals)
-            self.draft_width = self.proposals + 1
-        try:
-            yield
-        finally:
-            self.guard, self.costs, self.counters, calibrator, self.draft_width = kept
-            if calibrator is not None:
-                self.calibrator = calibrator
-
-    def warm_up(self, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
-        """Where shapes are kept steady, run once every shape a round can take for up to
-        `max_lanes` lanes (plain and bucketed verify widths, proposals, bucketed context
-        appends), so that the backend builds its plans before serving, not in the rounds
-        a guard times. Then seed the cost table with a short profile: target forwards of
-        L lanes x w rows and drafter proposals for L lanes, at a short context, best of
-        `repeats`."""
-        counts = sorted({1, min(4, max_lanes), max_lanes})
-        widths = [1]
-        if self.drafter is not None and self.steady_shapes:
-            widths = sorted({1} | {self._verify_width(w) for w in range(2, self.proposals + 2)})
-        elif self.drafter is not None:
-            widths = sorted({1, 2, 4, self.proposals + 1})
-        prompt = [1 + (i % (self.target.vocab_size - 1)) for i in range(context)]
-        slots = [self.target.open_lane() for _ in range(max_lanes)]
-        out = self.target.forward(slots, [prompt] * len(slots), logits="last", taps=self._taps(self.drafter is not None))
-        self.target.commit(out, [context] * len(slots))
-        drafter_slots = []
-        if self.drafter is not None:
-            drafter_slots = [self.drafter.open_lane() for _ in slots]
-            rows = [out.taps[out.row_starts[i] : out.row_starts[i] + context] for i in range(len(slots))]
-            self.drafter.append(drafter_slots, rows, [prompt] * len(slots))
-        mx.eval(out.logits, *self.target.state_arrays(), *(self.drafter.state_arrays() if self.drafter else []))
-
-        def propose(lanes: int) -> list[mx.array]:
-            return self.drafter.propose(drafter_slots[:lanes], [1] * lanes, self.proposals).arrays()
-
-        try:
-            for lanes in range(1, max_lanes + 1) if self.steady_shapes else ():
-                for width in widths:
-                    mx.eval(self._forward_only(slots[:lanes], [width] * lanes))
-                if self.drafter is not None:
-                    mx.eval(propose(lanes))
-            if self.drafter is not None and self.steady_shapes:
-                most = row_bucket(max_lanes * (self.proposals + 1))
-                for rows in (1 << k for k in range(most.bit_length())):  # appends pad to these
-                    mx.eval(self._append_only(drafter_slots[:1], out.taps[:1], rows))
-            for lanes in counts:
-                for width in widths:
-                    seconds = min(self._time(lambda: self._forward_only(slots[:lanes], [width] * lanes)) for _ in range(repeats))
-                    self.costs.seed(lanes * width, lanes, context, seconds)
-                if self.drafter is not None:
-                    self.costs.observe_draft(lanes, context, min(self._time(lambda: propose(lanes)) for _ in range(repeats)))
-        finally:
-            for slot in slots:
-                self.target.close_lane(slot)
-            for slot in drafter_slots:
-                self.drafter.close_lane(slot)
-
-    def _append_only(self, slots, row: mx.array, rows: int) -> list[mx.array]:
-        """A drafter context append of `rows` rows to the first slot, then forgotten: the
-        rows past the slot's length are not counted and will be overwritten."""
-        self.drafter.append(slots, [mx.repeat(row, rows, axis=0)], [[1] * rows], bucket_rows=True)
-        slots[0].length -= rows
-        return self.drafter.state_arrays()
-
-    def _verify_width(self, rows: int) -> int:
+    def verify_width(self, rows: int) -> int:
         """Rows every lane of a drafted round feeds: the widest window's, bucketed where
         shapes are kept steady."""
-        return row_bucket(rows, self.proposals + 1) if self.steady_shapes else rows
+        return self.target.row_bucket(rows, self.proposals + 1) if self.steady_shapes else rows
 
-    def _forward_only(self, slots, rows: list[int]) -> list[mx.array]:
-        """A forward of `rows[i]` rows for lane i, shaped as the round that would run it
-        (verify rounds round their key span up) and never committed: the rows it writes
-        past each lane's length are not counted and will be overwritten."""
-        key_bucket = KEY_BUCKET if max(rows) > 1 else self._plain_key_bucket(len(rows))
-        out = self.target.forward(slots, [[1] * w for w in rows], key_bucket=key_bucket)
-        return [out.logits, *self.target.state_arrays()]
-
-    def _time(self, build) -> float:
-        started = self.clock()
-        mx.eval(build())
-        return self.clock() - started
-
-    def _taps(self, wanted: bool) -> tuple[int, ...]:
+    def taps(self, wanted: bool) -> tuple[int, ...]:
         """The target layers to tap: the drafter's, when a lane in the forward drafts."""
         return self.drafter.tap_layers if wanted else ()
 
@@ -219,7 +131,7 @@ class RoundRunner:
         """Read the next chunk of each lane's prompt, all lanes in one forward; returns
         each chunk's last-row logits `[N, V]`."""
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
-        out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self._taps(bool(drafting)))
+        out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
         self.target.commit(out, [len(chunk) for chunk in chunks])
         for lane, chunk, start in zip(lanes, chunks, out.row_starts):
             if lane.drafter_slot is not None:
@@ -304,7 +216,7 @@ class RoundRunner:
         self._inflight = following
         return events
 
-    def _plain_key_bucket(self, lanes: int) -> int:
+    def plain_key_bucket(self, lanes: int) -> int:
         # One lane attends its exact span with the fused one-query kernel; several lanes
         # need a mask and plain matmuls, whose shapes should stay steady (see KEY_BUCKET).
         return KEY_BUCKET if self.steady_shapes and lanes > 1 else 1
@@ -321,8 +233,8 @@ class RoundRunner:
         started = self.clock()
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
         fed = anchors if lag else [[a] for a in anchors]
-        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self._taps(want_taps),
-                                  key_bucket=self._plain_key_bucket(len(lanes)))
+        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self.taps(want_taps),
+                                  key_bucket=self.plain_key_bucket(len(lanes)))
         tokens = choose_next(out.logits, lanes, ahead=lag)
         logprobs = logprob_arrays(out.logits, tokens, [lane.request.logprobs for lane in lanes])
         self.target.commit(out, [1] * len(lanes))
@@ -379,57 +291,78 @@ class RoundRunner:
         mx.async_eval(self.drafter.state_arrays())
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
-        # 1. Draft: bring the drafting lanes' contexts up to date, one batched proposal.
+        """Draft, price, verify, commit: the phases of a drafted round, in order."""
+        drafts, confidences, problems = self._draft(drafting)
+        draft_seconds = self.clock() - started
+        depths = self._price(lanes, drafting, confidences, problems, draft_seconds)
+        windows = self._windows(lanes, drafting, drafts, depths)
+        out, outcomes = self._verify(lanes, windows)
+        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, confidences, out, outcomes)
+        emitted = sum(len(event.token_ids) for _, event in events)
+        report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
+                             draft_seconds, proposed_at, accepted_at)
+        return events, report
+
+    def _draft(self, drafting: list[Lane]) -> tuple[list[list[int]], list[list[float]], list]:
+        """Bring the drafting lanes' contexts up to date and propose for all of them in one
+        batched forward: each lane's drafts, raw confidences, and problem (None if sound)."""
         self._fold_pending(drafting)
         g = self.proposals
-        pick = drafter_pick(drafting, g)
-        proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g, pick)
+        proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
+                                        drafter_pick(drafting, g))
         mx.eval(proposal.arrays())
         problems = self.drafter.validate(proposal)
-        drafts = proposal.tokens.tolist()
-        raw = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
-        draft_seconds = self.clock() - started
-
-        # 2. Price: every lane's verify depth, decided before the target runs.
-        caps = [0 if problem else min(g, lane.remaining - 1) for lane, problem in zip(drafting, problems)]
-        calibrated = [self.calibrator.calibrate(c) for c in raw]
-        if self.draft_width is not None:
-            depths = caps
-        else:
-            # Priced by real rows, though steady shapes pad them (step 3): where padding is
-            # used the round's cost hardly depends on its rows (the GPU is bound by launches
-            # at these sizes), and a bucket's step in cost would stop the prefix scan at its
-            # first candidate.
-            context = max(lane.context for lane in lanes)
-            try:
-                depths = plan_depths(
-                    [chain_chances(c) for c in calibrated],
-                    plain_rows=len(lanes) - len(drafting),
-                    round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
-                    draft_seconds=draft_seconds,
-                    max_depths=caps,
-                )
-            except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
-                depths = caps
         for lane, problem in zip(drafting, problems):
             if problem is not None:
                 lane.stats.errors.append(str(problem))
                 log.warning("lane %s: %s; its round runs plain", lane.id, problem)
+        confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
+        return proposal.tokens.tolist(), confidences, problems
 
-        # 3. Verify: one target forward over every lane's rows.
-        row_of = {id(lane): r for r, lane in enumerate(drafting)}
+    def _price(self, lanes: list[Lane], drafting: list[Lane], confidences: list[list[float]], problems: list,
+               draft_seconds: float) -> list[int]:
+        """Every drafting lane's verify depth, decided before the target runs: all it may
+        take at a fixed width, else the DSpark prefix scheduler over calibrated chances."""
+        caps = [0 if problem else min(self.proposals, lane.remaining - 1) for lane, problem in zip(drafting, problems)]
+        if self.draft_width is not None:
+            return caps
+        # Priced by real rows, though steady shapes pad them (see _verify): where padding
+        # is used the round's cost hardly depends on its rows (the GPU is bound by launches
+        # at these sizes), and a bucket's step in cost would stop the prefix scan at its
+        # first candidate.
+        context = max(lane.context for lane in lanes)
+        try:
+            return plan_depths(
+                [chain_chances(self.calibrator.calibrate(c)) for c in confidences],
+                plain_rows=len(lanes) - len(drafting),
+                round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
+                draft_seconds=draft_seconds,
+                max_depths=caps,
+            )
+        except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
+            return caps
+
+    @staticmethod
+    def _windows(lanes: list[Lane], drafting: list[Lane], drafts: list[list[int]], depths: list[int]) -> list[Window]:
+        """Each lane's verify window: its anchor and the drafts priced in (none for lanes
+        that do not draft this round)."""
+        depth_of = {id(lane): (row, depth) for lane, row, depth in zip(drafting, drafts, depths)}
         windows = []
         for lane in lanes:
-            r = row_of.get(id(lane))
-            window_drafts = drafts[r][: depths[r]] if r is not None else []
+            row, depth = depth_of.get(id(lane), ([], 0))
             penalised = lane.request.sampling.repetition_penalty != 1.0
             windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.history() if penalised else [],
-                                  window_drafts, lane.request.logprobs))
-        # Every lane feeds the same number of rows, padded past its window with its last
-        # token: rows after a lane's window are never kept, never seen by its real rows
-        # (they sit at later positions), and one width per round keeps shapes steady. A
-        # lane near the context limit pads only up to it (its window already fits).
-        width = self._verify_width(max(w.rows for w in windows))
+                                  row[:depth], lane.request.logprobs))
+        return windows
+
+    def _verify(self, lanes: list[Lane], windows: list[Window]):
+        """One target forward over every lane's rows, and each lane's outcome.
+
+        Every lane feeds the same number of rows, padded past its window with its last
+        token: rows after a lane's window are never kept, never seen by its real rows
+        (they sit at later positions), and one width per round keeps shapes steady. A lane
+        near the context limit pads only up to it (its window already fits)."""
+        width = self.verify_width(max(w.rows for w in windows))
         limit = self.target.context_limit
         fed = [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)]
         out = self.target.forward(
@@ -438,33 +371,32 @@ class RoundRunner:
             taps=self.drafter.tap_layers,
             key_bucket=KEY_BUCKET,
         )
-        outcomes = verify(out.logits, out.row_starts, windows)
+        return out, verify(out.logits, out.row_starts, windows)
 
-        # 4. Commit and emit.
+    def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], confidences: list[list[float]],
+                out, outcomes) -> tuple[list, list[int], list[int]]:
+        """Keep each lane's accepted rows (KV trimmed, conv state rebuilt, taps queued for
+        the drafter), emit its tokens, and learn from the outcome (calibration, stats)."""
         self.target.commit(out, [1 + o.accepted for o in outcomes])
         mx.async_eval(self.target.state_arrays())  # the next round builds while this lands
+        raw = {id(lane): c for lane, c in zip(drafting, confidences)}
         events = []
-        proposed_at, accepted_at = [0] * g, [0] * g
+        proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])
                 lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
             lane.stats.rounds += 1
-            r = row_of.get(id(lane))
-            if r is not None and window.drafts:
-                depth = len(window.drafts)
+            depth = len(window.drafts)
+            if depth:
                 lane.stats.drafted_rounds += 1
                 lane.stats.proposed += depth
                 lane.stats.accepted += outcome.accepted
                 lane.stats.accepted_per_round.append(outcome.accepted)
-                self.calibrator.observe(raw[r][:depth], depth, outcome.accepted)
+                self.calibrator.observe(raw[id(lane)][:depth], depth, outcome.accepted)
                 for k in range(depth):
                     proposed_at[k] += 1
                     accepted_at[k] += k < outcome.accepted
             events.append((lane, lane.emit(outcome.tokens, outcome.logprobs)))
         self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
-        emitted = sum(len(event.token_ids) for _, event in events)
-        report = RoundReport(
-            "drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting), draft_seconds, proposed_at, accepted_at
-        )
-        return events, report
+        return events, proposed_at, accepted_at

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, key_span
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, key_span, plans_per_shape, row_bucket
 from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
 
@@ -114,6 +114,17 @@ class Lfm2Target:
 
     def kv_bytes(self) -> int:
         return sum(pool.capacity * pool.nbytes_per_position() for pool in self.kv.values())
+
+    @staticmethod
+    def plans_per_shape() -> bool:
+        """Whether this backend builds a plan per new shape, so rounds should pad varying
+        row counts and key spans to a few steady shapes (see cache.plans_per_shape)."""
+        return plans_per_shape()
+
+    @staticmethod
+    def row_bucket(rows: int, ceiling: int | None = None) -> int:
+        """The steady row count that `rows` pads to (see cache.row_bucket)."""
+        return row_bucket(rows, ceiling)
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of KV the open lanes' committed tokens occupy (`kv_bytes` is what is reserved)."""

@@ -1,0 +1,113 @@
+"""Getting a round runner ready to serve: a rehearsal of every round path, every steady
+shape run once, and the cost table seeded by a short profile.
+
+A backend may build something the first time it meets a shape (CUDA's cuBLASLt plans
+each new matmul shape; kernels compile on first use): paid inside a round the guard
+times, that would decide a band on its own. So every path and shape runs here first,
+and what the rehearsal would teach (guard evidence, calibration, costs, counters) goes
+to throwaway instances.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from .calibration import ConfidenceCalibrator
+from .counters import RoundCounters
+from .guard import DraftGuard
+from .pricing import CostTable
+from .round import KEY_BUCKET, RoundRunner
+
+
+@contextmanager
+def rehearsal(runner: RoundRunner):
+    """Rounds run inside draft every round they can, and what they would teach goes to
+    throwaway instances; the runner's own come back afterwards."""
+    kept = runner.guard, runner.costs, runner.counters, getattr(runner, "calibrator", None), runner.draft_width
+    runner.guard, runner.costs, runner.counters = DraftGuard(), CostTable(), RoundCounters()
+    if runner.drafter is not None:
+        runner.calibrator = ConfidenceCalibrator(runner.proposals)
+        runner.draft_width = runner.proposals + 1
+    try:
+        yield
+    finally:
+        runner.guard, runner.costs, runner.counters, calibrator, runner.draft_width = kept
+        if calibrator is not None:
+            runner.calibrator = calibrator
+
+
+def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
+    """Where shapes are kept steady, run once every shape a round can take for up to
+    `max_lanes` lanes (plain and bucketed verify widths, proposals, bucketed context
+    appends). Then seed the cost table: target forwards of L lanes x w rows and drafter
+    proposals for L lanes, at a short context, best of `repeats`."""
+    target, drafter = runner.target, runner.drafter
+    counts = sorted({1, min(4, max_lanes), max_lanes})
+    widths = [1]
+    if drafter is not None and runner.steady_shapes:
+        widths = sorted({1} | {runner.verify_width(w) for w in range(2, runner.proposals + 2)})
+    elif drafter is not None:
+        widths = sorted({1, 2, 4, runner.proposals + 1})
+    prompt = [1 + (i % (target.vocab_size - 1)) for i in range(context)]
+    slots = [target.open_lane() for _ in range(max_lanes)]
+    out = target.forward(slots, [prompt] * len(slots), logits="last", taps=runner.taps(drafter is not None))
+    target.commit(out, [context] * len(slots))
+    drafter_slots = []
+    if drafter is not None:
+        drafter_slots = [drafter.open_lane() for _ in slots]
+        rows = [out.taps[out.row_starts[i] : out.row_starts[i] + context] for i in range(len(slots))]
+        drafter.append(drafter_slots, rows, [prompt] * len(slots))
+    mx.eval(out.logits, *target.state_arrays(), *(drafter.state_arrays() if drafter else []))
+
+    def forward_only(lanes: int, width: int) -> list[mx.array]:
+        # Shaped as the round that would run it and never committed: the rows it writes
+        # past each lane's length are not counted and will be overwritten.
+        key_bucket = KEY_BUCKET if width > 1 else runner.plain_key_bucket(lanes)
+        forward = target.forward(slots[:lanes], [[1] * width] * lanes, key_bucket=key_bucket)
+        return [forward.logits, *target.state_arrays()]
+
+    def propose(lanes: int) -> list[mx.array]:
+        return drafter.propose(drafter_slots[:lanes], [1] * lanes, runner.proposals).arrays()
+
+    def seconds(build) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            started = runner.clock()
+            mx.eval(build())
+            best = min(best, runner.clock() - started)
+        return best
+
+    try:
+        for lanes in range(1, max_lanes + 1) if runner.steady_shapes else ():
+            for width in widths:
+                mx.eval(forward_only(lanes, width))
+            if drafter is not None:
+                mx.eval(propose(lanes))
+        if drafter is not None and runner.steady_shapes:
+            _append_every_bucket(runner, out.taps[:1], max_lanes)
+        for lanes in counts:
+            for width in widths:
+                runner.costs.seed(lanes * width, lanes, context, seconds(lambda: forward_only(lanes, width)))
+            if drafter is not None:
+                runner.costs.observe_draft(lanes, context, seconds(lambda: propose(lanes)))
+    finally:
+        for slot in slots:
+            target.close_lane(slot)
+        for slot in drafter_slots:
+            drafter.close_lane(slot)
+
+
+def _append_every_bucket(runner: RoundRunner, row: mx.array, max_lanes: int) -> None:
+    """Drafter context appends pad their rows to buckets: append each bucket's worth of
+    rows once, to a lane opened for it and closed after."""
+    drafter = runner.drafter
+    most = runner.target.row_bucket(max_lanes * (runner.proposals + 1))
+    for rows in (1 << k for k in range(most.bit_length())):
+        slot = drafter.open_lane()
+        try:
+            drafter.append([slot], [mx.repeat(row, rows, axis=0)], [[1] * rows], bucket_rows=True)
+            mx.eval(drafter.state_arrays())
+        finally:
+            drafter.close_lane(slot)
