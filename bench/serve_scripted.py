@@ -79,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

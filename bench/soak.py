@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import resource
 import sys
@@ -23,6 +22,7 @@ import time
 
 import mlx.core as mx
 
+from daemon.cli import exit_process
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     before = rss_mib()
     report = asyncio.run(soak(client, args.requests, args.concurrency, args.seed))
     after = rss_mib()
+    # The last final events reach the loop before the engine retires their lanes.
+    deadline = time.monotonic() + 5
+    while client.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = client.stats()
     client.shutdown(5)
     report.update(rss_mib_before=round(before, 1), rss_mib_after=round(after, 1),
@@ -132,6 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # see daemon.cli.entry: MLX may abort at exit after threaded evaluation
+    exit_process(main())

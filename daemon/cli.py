@@ -243,16 +243,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def entry() -> None:
-    """The console script: `main`, then exit without running C++ static destructors.
-    MLX (0.32) can abort the process at exit once its arrays were evaluated on a thread
-    other than the main one (ml-explore/mlx#3126), which the engine thread always is: the
-    work is done and flushed by then, so the exit status stays the command's own."""
-    code = main()
+def exit_process(code: int) -> None:
+    """Exit with `code` without running C++ static destructors. MLX (0.32) can abort the
+    process at exit once its arrays were evaluated on a thread other than the main one
+    (ml-explore/mlx#3126), which the engine thread always is: the work is done and
+    flushed by then, so the exit status stays the command's own."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
+
+
+def entry() -> None:
+    """The console script."""
+    exit_process(main())
 
 
 if __name__ == "__main__":
