@@ -85,8 +85,6 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
                 mx.eval(forward_only(lanes, width))
             if drafter is not None:
                 mx.eval(propose(lanes))
-        if drafter is not None and runner.steady_shapes:
-            _append_every_bucket(runner, out.taps[:1], max_lanes)
         for lanes in counts:
             for width in widths:
                 runner.costs.seed(lanes * width, lanes, context, seconds(lambda: forward_only(lanes, width)))
@@ -97,11 +95,13 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
             target.close_lane(slot)
         for slot in drafter_slots:
             drafter.close_lane(slot)
+    if drafter is not None and runner.steady_shapes:
+        _append_every_bucket(runner, out.taps[:1], max_lanes)
 
 
 def _append_every_bucket(runner: RoundRunner, row: mx.array, max_lanes: int) -> None:
     """Drafter context appends pad their rows to buckets: append each bucket's worth of
-    rows once, to a lane opened for it and closed after."""
+    rows once, to a lane opened for it and closed after (every other lane is closed)."""
     drafter = runner.drafter
     most = runner.target.row_bucket(max_lanes * (runner.proposals + 1))
     for rows in (1 << k for k in range(most.bit_length())):
