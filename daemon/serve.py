@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Callable
 
 import prometheus_client
 from families.lfm2 import open_target
@@ -21,6 +22,7 @@ from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig
 
 from .app import Server, ServerConfig, Serving, make_serving
+from .wired import wire_for_serving
 
 log = logging.getLogger("laneserve")
 
@@ -73,8 +75,9 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(name, api_key, args.max_body_bytes)
 
 
-def open_serving(args, config: ServerConfig, build_engine=Engine) -> Serving:
-    """Load the checkpoint and drafter, start the engine thread (its warm-up runs there).
+def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Serving, Callable[[], None]]:
+    """Load the checkpoint and drafter, wire their memory (Metal), start the engine thread
+    (its warm-up runs there); returns what serves and what puts the wired limit back.
     `build_engine` takes Engine's arguments (bench/serve_scripted.py passes its own)."""
     from .cli import UsageError, open_drafter
 
@@ -89,6 +92,7 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> Serving:
     drafter = None if args.no_draft else open_drafter(args, loaded)
     if drafter is None:
         log.info("drafter: none, every round plain")
+    restore_wired = wire_for_serving(target, drafter, max_model_len, log)  # Metal only; a no-op elsewhere
     engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
                           EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width))
     log.info("lanes: %d streams per round, %d waiting at most", args.max_streams, args.max_queue)
@@ -97,7 +101,7 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> Serving:
     log.info("sampling defaults from generation_config.json: %s", defaults or "none (greedy)")
     client = EngineClient(engine)
     client.start(warm_up=drafter is not None and args.draft_width is None)
-    return make_serving(client, loaded.tokenizer, target.vocab_size, config.model_name, max_model_len, defaults)
+    return make_serving(client, loaded.tokenizer, target.vocab_size, config.model_name, max_model_len, defaults), restore_wired
 
 
 def run_serve(args, build_engine=Engine) -> int:
@@ -124,7 +128,7 @@ async def serve(args, config: ServerConfig, build_engine=Engine) -> int:
     address = f"http://{host}:{port}"
     log.info("listening on %s (/ready answers 503 until the model is loaded)", address)
     try:
-        serving = await loop.run_in_executor(None, open_serving, args, config, build_engine)
+        serving, restore_wired = await loop.run_in_executor(None, open_serving, args, config, build_engine)
     except BaseException:
         await server.close()
         raise
@@ -140,5 +144,6 @@ async def serve(args, config: ServerConfig, build_engine=Engine) -> int:
         await stop.wait()
     log.info("draining: new requests get 503; running streams have %.1f s to finish", args.drain_timeout)
     await server.drain(args.drain_timeout)
+    restore_wired()
     log.info("stopped")
     return 0
