@@ -1,7 +1,8 @@
-"""The serving layout of the target: merged projections compute what the checkpoint's
-separate ones do, and compiled rounds equal eager ones step for step (float32, CPU),
-including across key-span buckets, out-of-order and non-contiguous slots, verify windows
-with partial accepts, and rounds fed the previous round's lazy choices."""
+"""The serving layout of the target and drafter: merged projections compute what the
+checkpoint's separate ones do, and compiled rounds and proposals equal eager ones step for
+step (float32, CPU), including across key-span buckets, out-of-order and non-contiguous
+slots, verify windows with partial accepts, rounds fed the previous round's lazy choices,
+and proposals with a host-side pick or without their chain logits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import pytest
 
 from families.lfm2 import Lfm2Target, load_model
 from families.lfm2.cache import RaggedLayout
+from families.lfm2.drafter import load_drafter
 from families.lfm2.target import COMPILED_KEY_BUCKET
+from families.lfm2.tiny_drafter import make_tiny_drafter
 
 TAPS = (1, 3)
 
@@ -101,7 +104,7 @@ def test_compiled_decode_equals_eager_across_span_buckets(checkpoint, request):
     for ours, theirs in zip(compiled_state, eager_state):
         for name in theirs:
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
-    decode_traces = [spec for spec in compiled._traces if spec.widths == (1,) * len(order)]
+    decode_traces = [spec for spec in compiled._traces.specs() if spec.widths == (1,) * len(order)]
     assert len(decode_traces) == 2  # one trace per key-span bucket, none per step
 
 
@@ -166,3 +169,69 @@ def test_an_uncommitted_step_leaves_the_conv_state(dense_dir):
         ours, theirs = lane_state(target, lane_), lane_state(reference, ref)
         for name in theirs:
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# --- the drafter ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafter_pair(tmp_path_factory, dense_dir):
+    """The same drafter served eagerly and compiled, on one target model."""
+    path = make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=3, taps=list(TAPS))
+    model, config = load_model(dense_dir)
+    return [load_drafter(path, model, config, max_lanes=4, compiled=compiled) for compiled in (False, True)]
+
+
+def sampled_pick(logits: mx.array, k: int) -> mx.array:
+    """A host-side pick standing in for a sampler: never traced."""
+    return mx.argmax(logits + mx.array(np.random.default_rng(k).gumbel(size=logits.shape).astype(np.float32)), axis=-1)
+
+
+@pytest.mark.parametrize("pick", [None, sampled_pick])
+def test_compiled_proposals_equal_eager(drafter_pair, pick):
+    """Three lanes at non-contiguous slots with ragged contexts, two rounds (appends in
+    between): tokens, confidences, chain logits and faults match; without the chain
+    logits the same tokens, confidences and faults come back."""
+    rng = np.random.default_rng(0)
+    contexts, width = [7, 19, 12], len(TAPS) * 64
+    results = []
+    for drafter in drafter_pair:
+        slots = [drafter.open_lane() for _ in range(4)]
+        drafter.close_lane(slots[1])
+        lanes = [slots[3], slots[0], slots[2]]
+        rows = [mx.array(rng.standard_normal((n, width)).astype(np.float32)) for n in contexts]
+        drafter.append(lanes, rows, [[0] * n for n in contexts])
+        log = []
+        for round_ in range(2):
+            full = drafter.propose(lanes, [30 + round_, 40, 50], pick=pick)
+            lean = drafter.propose(lanes, [30 + round_, 40, 50], pick=pick, chain_logits=False)
+            mx.eval(full.arrays(), lean.arrays())
+            assert lean.logits is None
+            np.testing.assert_array_equal(np.array(lean.tokens), np.array(full.tokens))
+            np.testing.assert_array_equal(np.array(lean.confidences), np.array(full.confidences))
+            assert lean.faults.tolist() == full.faults.tolist() == [0, 0, 0]
+            log.append([np.array(a) for a in full.arrays()])
+            more = [mx.array(rng.standard_normal((n, width)).astype(np.float32)) for n in (1, 3, 2)]
+            drafter.append(lanes, more, [[0] * m.shape[0] for m in more])
+        results.append(log)
+        for lane in lanes:
+            drafter.close_lane(lane)
+        rng = np.random.default_rng(0)
+    for eager_round, compiled_round in zip(*results):
+        (tokens_e, *floats_e), (tokens_c, *floats_c) = eager_round, compiled_round
+        np.testing.assert_array_equal(tokens_c, tokens_e)
+        for ours, theirs in zip(floats_c, floats_e):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_poisoned_lane_faults_without_chain_logits(drafter_pair):
+    _, drafter = drafter_pair
+    rows = [mx.ones((5, len(TAPS) * 64)), mx.full((4, len(TAPS) * 64), float("nan"))]
+    lanes = [drafter.open_lane() for _ in rows]
+    drafter.append(lanes, rows, [[0] * r.shape[0] for r in rows])
+    proposal = drafter.propose(lanes, [30, 40], chain_logits=False)
+    mx.eval(proposal.arrays())
+    errors = drafter.validate(proposal)
+    assert errors[0] is None and "NaN" in str(errors[1])
+    for lane in lanes:
+        drafter.close_lane(lane)

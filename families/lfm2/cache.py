@@ -10,6 +10,7 @@ causal mask compares positions) and are overwritten by the next round.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,6 +32,29 @@ def row_bucket(rows: int, ceiling: int | None = None) -> int:
     plans once where every row count would pay again."""
     bucket = 1 << max(rows - 1, 0).bit_length()
     return min(bucket, ceiling) if ceiling is not None and rows <= ceiling else bucket
+
+
+class Traces:
+    """Compiled functions by spec: `traces(spec)` is `mx.compile(build(spec))`, traced on
+    first use. The spec holds everything about a call that is not an array (a value read
+    from Python inside a trace is baked into it silently), so each spec gets its own
+    function; the least recently used are dropped past `limit`."""
+
+    def __init__(self, build, limit: int = 32):
+        self.build, self.limit = build, limit
+        self._compiled: OrderedDict = OrderedDict()
+
+    def __call__(self, spec):
+        if spec in self._compiled:
+            self._compiled.move_to_end(spec)
+        else:
+            self._compiled[spec] = mx.compile(self.build(spec))
+            if len(self._compiled) > self.limit:
+                self._compiled.popitem(last=False)
+        return self._compiled[spec]
+
+    def specs(self) -> list:
+        return list(self._compiled)
 
 
 def key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
@@ -67,7 +91,7 @@ class RaggedLayout:
         # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
         # attention shapes steady from round to round, so a backend that builds kernels
         # or plans per shape builds them once per bucket, not once per round.
-        self.span = span if span is not None else key_span(self.offsets, self.width, key_bucket)
+        self.span = key_span(self.offsets, self.width, key_bucket) if span is None and offsets is not None else span
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:

@@ -21,10 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, row_bucket
+from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, row_bucket
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, load_layer_by_layer, read_tensors
-from .model import Lfm2Model, attend
+from .model import Lfm2Model, attend, merged_linear, swiglu
 
 log = logging.getLogger("laneserve.load")
 
@@ -220,7 +220,7 @@ class DSparkAttention(nn.Module):
 
     def __call__(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
         n, g, _ = x.shape
-        offset = layout.offsets[0] if layout.lanes == 1 else layout.offsets_array
+        offset = layout.rope_offset()
         q = self.q_norm(self.q_proj(x).reshape(n, g, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset)
         # The block's keys go to the pool just past the committed context; they are read
@@ -240,8 +240,17 @@ class DSparkMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
 
+    def merge_projections(self) -> None:
+        """Serve gate and up from one matmul `gate_up_proj` (where they merge exactly)."""
+        merged = merged_linear([self.gate_proj, self.up_proj])
+        if merged is not None:
+            self.pop("gate_proj"), self.pop("up_proj")
+            self.gate_up_proj = merged
+
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            return self.down_proj(swiglu(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DSparkLayer(nn.Module):
@@ -310,6 +319,18 @@ class DSparkModel(nn.Module):
 NONFINITE_LOGITS, NONFINITE_CONFIDENCE, ID_OUT_OF_RANGE = 1, 2, 4
 
 
+@dataclass(frozen=True)
+class ProposalSpec:
+    """Everything about a compiled proposal that is not an array: proposals with the same
+    spec share a trace (see target.RoundSpec)."""
+
+    width: int  # g
+    span: int  # context keys attended
+    slots: tuple[int, ...] | None  # contiguous slots (read as views), else None: slot ids come as an array
+    greedy: bool  # the argmax chain runs inside the trace (a pick runs it on the host's terms)
+    chain_logits: bool
+
+
 @dataclass
 class Proposal:
     """One round's drafts for N lanes, lazily evaluated, lanes in the order given.
@@ -321,7 +342,7 @@ class Proposal:
 
     tokens: mx.array  # [N, g] int32
     confidences: mx.array | None  # [N, g] float32
-    logits: mx.array  # [N, g, V] float32, the Markov-corrected chain logits l_k
+    logits: mx.array | None  # [N, g, V] float32, the Markov-corrected chain logits l_k (None when not asked for)
     faults: mx.array  # [N] int32
     vocab_size: int
 
@@ -332,7 +353,9 @@ class Proposal:
 
 def draft_faults(tokens: mx.array, confidences: mx.array | None, logits: mx.array, vocab_size: int) -> mx.array:
     """Per-lane fault bitmask [N] (lazy): non-finite logits, non-finite confidences, ids
-    outside [0, vocab_size)."""
+    outside [0, vocab_size). Without the chain logits, `logits` may be the block's final
+    hidden rows `[N, g, H]`: with the finite weights load insists on, the logits are
+    finite exactly when those rows are (the final norm bounds them)."""
     faults = mx.where(mx.isfinite(logits).all(axis=(1, 2)), 0, NONFINITE_LOGITS)
     if confidences is not None:
         faults = faults | mx.where(mx.isfinite(confidences).all(axis=1), 0, NONFINITE_CONFIDENCE)
@@ -368,7 +391,9 @@ class DSparkDrafter:
     that token's target row), at that token's position; its length must equal the
     target's committed length. `propose` never grows it."""
 
-    def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16):
+    def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16, compiled: bool = True):
+        """`compiled`: context appends and proposals run as compiled functions, one trace
+        per shape (see target.py)."""
         self.model = model
         self.config = model.config
         self.embed = target_model.embed_tokens  # borrowed: embeds the block and is the head
@@ -377,7 +402,12 @@ class DSparkDrafter:
         cfg = self.config
         self.kv = [KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for _ in range(cfg.num_layers)]
         self.slots = SlotAllocator(max_lanes, self.kv, "drafter")
-        mx.eval(self.state_arrays())  # built here, possibly evaluated on the engine thread
+        for layer in model.layers:
+            layer.mlp.merge_projections()
+        self.compiled = compiled
+        self._proposals = Traces(self._traced_proposal)
+        self._appends = Traces(lambda rows: self._append_arrays)
+        mx.eval(self.state_arrays(), model.parameters())  # built here, possibly evaluated on the engine thread
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -435,20 +465,40 @@ class DSparkDrafter:
         rows = mx.concatenate(parts, axis=0)
         if pad:
             rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
-        layout = RaggedLayout([1] * len(positions), positions)
-        c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
-        for layer, pool in zip(self.model.layers, self.kv):
-            pool.reserve(layout.span)
-            pool.write(slots, layout, *layer.self_attn.keys_values(c, layout.offsets_array))
+        for pool in self.kv:
+            pool.reserve(max(positions) + 1)
+        arrays = [rows, mx.array(slots, dtype=mx.int32), mx.array(positions, dtype=mx.int32), *self.state_arrays()]
+        state = self._appends(len(positions))(*arrays) if self.compiled else self._append_arrays(*arrays)
+        self._hold(state)
         for lane, rows in zip(lanes, taps):
             lane.length += rows.shape[0]
 
-    def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None) -> Proposal:
+    def _append_arrays(self, rows: mx.array, slots: mx.array, positions: mx.array, *state: mx.array) -> list[mx.array]:
+        """Context rows `[R, n_taps * H_target]` written at their slots and positions:
+        the pool arrays in, the pool arrays after out (eager or traced)."""
+        layout = RaggedLayout([1] * rows.shape[0], None, offsets_array=positions)
+        pools = self._holding(state)
+        c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
+        for layer, pool in zip(self.model.layers, pools):
+            pool.write(slots, layout, *layer.self_attn.keys_values(c, positions))
+        return [a for pool in pools for a in (pool.keys, pool.values)]
+
+    def _holding(self, state) -> list[KVPool]:
+        return [pool.holding(state[2 * j], state[2 * j + 1]) for j, pool in enumerate(self.kv)]
+
+    def _hold(self, state: list[mx.array]) -> None:
+        for j, pool in enumerate(self.kv):
+            pool.keys, pool.values = state[2 * j], state[2 * j + 1]
+
+    def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True) -> Proposal:
         """Draft `width` tokens after each lane's anchor (the last token the target
         emitted, at position `lane.length`), all lanes in one lazy forward.
 
         `pick(logits [N, V], k) -> tokens [N]` chooses x_{k+1} from the chain logits of
-        row k (argmax when None); the lane core passes its sampler for temperature > 0."""
+        row k (argmax when None); the lane core passes its sampler for temperature > 0.
+        `chain_logits=False` leaves the float32 `[N, g, V]` chain logits out of the
+        proposal (what greedy rounds never read)."""
         cfg = self.config
         g = cfg.width if width is None else width
         if not 1 <= g <= cfg.max_width:
@@ -458,40 +508,81 @@ class DSparkDrafter:
         n = len(lanes)
         lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
+        layout = RaggedLayout([g] * n, lengths, span=key_span(lengths, g, KEY_BUCKET))
         for pool in self.kv:
             pool.reserve(layout.span)
+        contiguous = slots == list(range(slots[0], slots[0] + n))
+        # A pick is a host callable: the chain then runs eagerly after the block.
+        spec = ProposalSpec(g, layout.span, tuple(slots) if contiguous else None, pick is None, chain_logits)
+        anchors_array = mx.array(anchors, dtype=mx.int32)
+        arrays = [anchors_array, layout.offsets_array, *([] if contiguous else [layout.slot_ids(slots)]), *self.state_arrays()]
+        if self.compiled:
+            outputs = self._proposals(spec)(*arrays)
+        else:
+            outputs = self._proposal_arrays(spec, layout, slots, anchors_array, self.state_arrays())
+        self._hold(outputs[: 2 * len(self.kv)])
+        outputs = outputs[2 * len(self.kv) :]
+        if pick is not None:
+            outputs = self._chain(outputs[0], anchors_array, pick, chain_logits)
+        tokens, confidences, logits, faults = outputs if chain_logits else (outputs[0], outputs[1], None, outputs[2])
+        if not cfg.enable_confidence_head:
+            confidences = None
+        return Proposal(tokens, confidences, logits, faults, cfg.vocab_size)
+
+    def _traced_proposal(self, spec: ProposalSpec):
+        """`_proposal_arrays` for one spec, as a function of arrays only."""
+
+        def proposal_fn(anchors, offsets, *arrays):
+            layout = RaggedLayout([spec.width] * anchors.shape[0], None, offsets_array=offsets, span=spec.span)
+            slots = list(spec.slots) if spec.slots is not None else arrays[0]
+            state = arrays if spec.slots is not None else arrays[1:]
+            return self._proposal_arrays(spec, layout, slots, anchors, state)
+
+        return proposal_fn
+
+    def _proposal_arrays(self, spec: ProposalSpec, layout: RaggedLayout, slots, anchors: mx.array, state) -> list[mx.array]:
+        """The block forward (and, for greedy proposals, the chain): the pool arrays
+        after the block's keys are written, then the block's hidden rows (a pick's
+        chain runs after) or `_chain`'s outputs."""
+        cfg, g, n = self.config, spec.width, anchors.shape[0]
+        pools = self._holding(state)
         # No causal mask inside the block: each lane sees its context and its whole block;
         # only keys past its own block (other lanes' longer contexts, the bucket's
         # rounding) are hidden.
-        mask = None
-        if layout.span != lengths[0] + g or len(set(lengths)) > 1:
-            visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
-            mask = visible[:, None, None, :]
-        block = mx.array([[a] + [cfg.mask_token_id] * (g - 1) for a in anchors], dtype=mx.int32)
-        h = self.model.block(self.embed(block).astype(self.dtype), layout, slots, self.kv, mask)
-        base = self.embed.as_linear(h).astype(mx.float32)  # U_k: row k proposes x_{k+1}
+        visible = mx.arange(spec.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
+        block = mx.concatenate([anchors[:, None], mx.full((n, g - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
+        h = self.model.block(self.embed(block).astype(self.dtype), layout, slots, pools, visible[:, None, None, :])
+        outputs = [a for pool in pools for a in (pool.keys, pool.values)]
+        return outputs + (self._chain(h, anchors, None, spec.chain_logits) if spec.greedy else [h])
 
+    def _chain(self, h: mx.array, anchors: mx.array, pick: Pick | None, keep_logits: bool) -> list[mx.array]:
+        """Block rows `h [N, g, H]` -> tokens, confidences (zeros without a confidence
+        head), the chain logits when `keep_logits`, faults: the Markov chain
+        `l_k = U_k + w2(w1[prev_k])`, `x_{k+1} = pick(l_k)`."""
+        cfg, g = self.config, h.shape[1]
         markov = self.model.markov_head
-        prev = mx.array(anchors, dtype=mx.int32)
+        base = self.embed.as_linear(h)  # U_k: row k proposes x_{k+1}
+        prev = anchors
         tokens, logits, prev_rows = [], [], []
         for k in range(g):
             # Ids from a faulty pick are clipped for the lookup only; the raw ids are
             # returned so the fault is reported, never read out of bounds.
             e = markov.markov_w1(mx.clip(prev, 0, cfg.vocab_size - 1))
-            l_k = base[:, k] + markov.markov_w2(e).astype(mx.float32)
+            l_k = base[:, k].astype(mx.float32) + markov.markov_w2(e).astype(mx.float32)
             prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
             tokens.append(prev)
             logits.append(l_k)
             prev_rows.append(e)
         tokens_arr = mx.stack(tokens, axis=1)
-        logits_arr = mx.stack(logits, axis=1)
+        logits_arr = mx.stack(logits, axis=1) if keep_logits else None
         confidences = None
         if cfg.enable_confidence_head:
             features = mx.concatenate([h, mx.stack(prev_rows, axis=1).astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
             confidences = self.model.confidence_head(features)
-        faults = draft_faults(tokens_arr, confidences, logits_arr, cfg.vocab_size)
-        return Proposal(tokens_arr, confidences, logits_arr, faults, cfg.vocab_size)
+        faults = draft_faults(tokens_arr, confidences, logits_arr if keep_logits else h, cfg.vocab_size)
+        if confidences is None:  # a traced function returns arrays only
+            confidences = mx.zeros(tokens_arr.shape, dtype=mx.float32)
+        return [tokens_arr, confidences, *([logits_arr] if keep_logits else []), faults]
 
 
 # --- loading ----------------------------------------------------------------------------
@@ -531,6 +622,7 @@ def load_drafter(
     dtype: str | None = None,
     bits: int | None = None,
     max_lanes: int = 16,
+    compiled: bool = True,
 ) -> DSparkDrafter:
     """Load a LiquidAI DSpark drafter directory for a loaded target.
 
@@ -538,7 +630,8 @@ def load_drafter(
     every refusal is a CheckpointError naming the field or tensor. `dtype` casts the
     floating weights ("float32", "float16", "bfloat16"; default: as stored). `bits=8`
     is an explicit opt-in that quantizes the drafter's linear layers (MLX affine, group
-    64); the Markov table and the one-row confidence head stay as loaded."""
+    64); the Markov table and the one-row confidence head stay as loaded. `compiled`:
+    see DSparkDrafter."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"drafter directory {path} {'is a file, not a directory' if path.exists() else 'does not exist'}")
@@ -566,4 +659,4 @@ def load_drafter(
         mx.eval(model.parameters())
         log.info("drafter linear layers quantized to %d bits (group %d)", bits, QUANT_GROUP)
     model.eval()
-    return DSparkDrafter(model, target_model, max_lanes)
+    return DSparkDrafter(model, target_model, max_lanes, compiled)

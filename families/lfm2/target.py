@@ -15,20 +15,17 @@ from Python inside a trace would be baked into it silently.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, key_span, plans_per_shape, row_bucket
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, plans_per_shape, row_bucket
 from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
 
 # Compiled rounds attend a key span rounded up to this many rows (masked past each
 # lane's rows), so a trace serves this many steps before the span grows.
 COMPILED_KEY_BUCKET = 256
-# Traces kept (least recently used dropped): lane counts x widths x spans in use.
-MAX_TRACES = 32
 
 
 class ContextLimitError(ValueError):
@@ -79,7 +76,7 @@ class Lfm2Target:
         self.model = model
         self.compiled = compiled
         self._conv_version = 0  # counts changes to the conv pools (see commit)
-        self._traces: OrderedDict[RoundSpec, object] = OrderedDict()
+        self._traces = Traces(self._traced_round)
         model.merge_projections()
         self.config = config
         self.max_lanes = max_lanes
@@ -171,7 +168,7 @@ class Lfm2Target:
             contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
             spec = RoundSpec(tuple(widths_sorted), layout.span, tuple(slots) if contiguous else None, tuple(order), taps, last_only)
             slot_ids = [] if contiguous else [layout.slot_ids(slots)]
-            outputs = self._trace(spec)(packed, layout.offsets_array, *slot_ids, *state)
+            outputs = self._traces(spec)(packed, layout.offsets_array, *slot_ids, *state)
         else:
             outputs = self._round(layout, slots, order, taps, last_only, packed, state)
         out_logits, out_taps, kv_state, windows, conv_after = self._unflatten(outputs, bool(taps))
@@ -185,11 +182,8 @@ class Lfm2Target:
         record = RoundRecord([lanes[i] for i in order], order, layout, windows, conv_kept, self._conv_version)
         return RoundOutput(out_logits, out_taps, row_starts, widths, record)
 
-    def _trace(self, spec: RoundSpec):
-        """The compiled round of this spec, traced on first use."""
-        if spec in self._traces:
-            self._traces.move_to_end(spec)
-            return self._traces[spec]
+    def _traced_round(self, spec: RoundSpec):
+        """`_round` for one spec, as a function of arrays only (what `mx.compile` traces)."""
 
         def round_fn(packed, offsets, *arrays):
             layout = RaggedLayout(list(spec.widths), None, offsets_array=offsets, span=spec.span)
@@ -197,10 +191,7 @@ class Lfm2Target:
             state = arrays if spec.slots is not None else arrays[1:]
             return self._round(layout, slots, list(spec.order), spec.taps, spec.last_only, packed, state)
 
-        self._traces[spec] = mx.compile(round_fn)
-        if len(self._traces) > MAX_TRACES:
-            self._traces.popitem(last=False)
-        return self._traces[spec]
+        return round_fn
 
     def _round(self, layout: RaggedLayout, slots, order: list[int], taps: tuple[int, ...], last_only: bool,
                packed: mx.array, state: list[mx.array]) -> list[mx.array]:
