@@ -318,7 +318,8 @@ def secret_note(job: Job, systemd: bool) -> str | None:
     if systemd:
         path = systemd_env_file(job.label, job.system)
         return (f"# {job.secret_env} is read from {path} at start; create it readable only by its owner:\n"
-                f"#   install -m 600 /dev/null {path} && echo '{job.secret_env}=...' >> {path}")
+                f"#   install -d -m 700 {path.parent} && install -m 600 /dev/null {path} && "
+                f"echo '{job.secret_env}=...' >> {path}")
     sudo = "sudo " if job.system else ""
     return (f"# {job.secret_env} is not written into the plist; give it to launchd before the job starts "
             f"(again after a reboot):\n#   {sudo}launchctl setenv {job.secret_env} ...  (see deploy/README.md)")
