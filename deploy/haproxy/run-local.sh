@@ -7,7 +7,7 @@
 # $LANESERVE_LISTEN (127.0.0.1:8000); HAProxy's stats page is at $HAPROXY_STATS
 # (127.0.0.1:8404)/stats. Environment: LANESERVE (the command, default `laneserve`),
 # LANESERVE_PORTS ("8001 8002"), LOG_DIR (each instance's log; default a new temporary folder).
-# Ctrl-C or SIGTERM stops HAProxy and drains both instances. To watch one instance drain
+# Ctrl-C or SIGTERM drains both instances, then stops HAProxy. To watch one instance drain
 # while the other keeps serving, `kill -TERM` the pid printed for it.
 set -euo pipefail
 set -m  # each child in its own process group: Ctrl-C reaches this script, which drains them in order
