@@ -6,12 +6,17 @@ Defaults to the embedded default target and drafter. For each lane count, after 
 lane has read a random prompt of `--context` tokens:
 
 - plain step: one target forward with one row per lane, fed the previous step's lazy
-  argmax (as the engine's pipelined plain rounds are), the taps a drafter reads, argmax,
-  commit, and everything evaluated (tokens, taps, every cache write);
+  argmax, the taps a drafter reads, argmax, commit; pipelined as the engine runs plain
+  rounds (each step launched before the one before it is read);
 - drafting round: one committed row per lane appended to the drafter's context, then a
   proposal of the drafter's width per lane, evaluated with the context it wrote;
 - peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
   the same number of sequences, on the same checkpoint, in the same process.
+
+`--families` names copies of the families package to compare in one process (an earlier
+commit's copy importable under another name, e.g. `base_families`); `--reserve N` also
+times one lane's plain step with the KV pools grown to N positions per slot (a pool
+copied per step instead of updated in place shows as a slower step).
 
 Each is run for `--seconds`, in turns (`--turns`, the systems alternate within a turn),
 and reported as the median milliseconds of its steps with the spread of the turns'
@@ -24,6 +29,7 @@ Writes NAME.json and NAME.md under --out when given.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -38,9 +44,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
-from families.lfm2.drafter import load_drafter
 
 # Primitives that produce views of their input and launch no kernel.
 VIEWS = {"Broadcast", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient", "AsStrided", "Split", "Depends"}
@@ -57,12 +61,21 @@ def count_ops(outputs: list[mx.array]) -> tuple[int, int]:
 class PlainSteps:
     def __init__(self, target, slots, first_tokens: mx.array, taps):
         self.target, self.slots, self.tokens, self.taps = target, slots, first_tokens, taps
+        self.landing = None
 
     def build(self) -> list[mx.array]:
         out = self.target.forward(self.slots, self.tokens, taps=self.taps, key_bucket=256 if len(self.slots) > 1 else 1)
         self.tokens = mx.argmax(out.logits, axis=-1)
         self.target.commit(out, [1] * len(self.slots))
         return [self.tokens, *([out.taps] if out.taps is not None else []), *self.target.state_arrays()]
+
+    def pipelined(self) -> None:
+        """As the engine runs plain rounds: launch the next step, then read this one's tokens."""
+        landing = self.tokens
+        mx.async_eval(self.build())
+        if self.landing is not None:
+            self.landing.tolist()
+        self.landing = landing
 
 
 class DraftRounds:
@@ -117,30 +130,60 @@ def evaluated(build):
     return lambda: mx.eval(build())
 
 
+class System:
+    """One copy of the families package (`pkg`: `families`, or an earlier copy importable
+    under another name) with its target and drafter loaded."""
+
+    def __init__(self, pkg: str, args):
+        lfm2 = importlib.import_module(f"{pkg}.lfm2")
+        drafter_module = importlib.import_module(f"{pkg}.lfm2.drafter")
+        self.name = pkg
+        self.target = lfm2.open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes)).target
+        self.drafter = None
+        if args.drafter:
+            self.drafter = drafter_module.load_drafter(args.drafter, self.target.model, self.target.config, dtype=args.dtype,
+                                                       max_lanes=max(args.lanes))
+        self.taps = self.drafter.tap_layers if self.drafter else ()
+
+    def open(self, prompts: list[list[int]]) -> dict:
+        """Lanes that have read `prompts`; their plain step and drafting round."""
+        target, drafter = self.target, self.drafter
+        self.slots = [target.open_lane() for _ in prompts]
+        self.dslots = [drafter.open_lane() for _ in prompts] if drafter else []
+        last = []
+        for i, (slot, prompt) in enumerate(zip(self.slots, prompts)):
+            logits, rows = target.prefill(slot, prompt, chunk=512, taps=self.taps)
+            last.append(mx.argmax(logits))
+            if drafter:
+                drafter.append([self.dslots[i]], [rows], [prompt])
+        builds = {"plain": PlainSteps(target, self.slots, mx.stack(last).astype(mx.int32), self.taps)}
+        if drafter:
+            width = len(self.taps) * target.config.hidden_size
+            builds["draft"] = DraftRounds(drafter, self.dslots, [p[-1] for p in prompts], width, drafter.dtype)
+        return builds
+
+    def close(self) -> None:
+        for slot in self.slots:
+            self.target.close_lane(slot)
+        for slot in self.dslots:
+            self.drafter.close_lane(slot)
+
+
 def run(args) -> dict:
-    loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes))
-    target = loaded.target
-    drafter = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=max(args.lanes)) if args.drafter else None
-    taps = drafter.tap_layers if drafter else ()
+    systems = [System(pkg, args) for pkg in args.families]
+    vocab = systems[0].target.vocab_size
     rng = np.random.default_rng(0)
     result = {"command": " ".join(shlex.quote(a) for a in sys.argv), "model": args.model, "drafter": args.drafter,
               "dtype": args.dtype, "context": args.context, "seconds": args.seconds, "turns": args.turns,
-              "device": str(mx.default_device()), "commit": commit(), "lanes": {}}
+              "device": str(mx.default_device()), "commit": commit(), "families": args.families, "lanes": {}}
     for lanes in args.lanes:
-        prompts = [[int(t) for t in rng.integers(20, min(4000, target.vocab_size), args.context)] for _ in range(lanes)]
-        slots = [target.open_lane() for _ in range(lanes)]
-        dslots = [drafter.open_lane() for _ in range(lanes)] if drafter else []
-        last = []
-        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
-            logits, rows = target.prefill(slot, prompt, chunk=512, taps=taps)
-            last.append(mx.argmax(logits))
-            if drafter:
-                drafter.append([dslots[i]], [rows], [prompt])
-        systems = {"plain": PlainSteps(target, slots, mx.stack(last).astype(mx.int32), taps).build}
-        if drafter:
-            systems["draft"] = DraftRounds(drafter, dslots, [p[-1] for p in prompts], len(taps) * target.config.hidden_size, drafter.dtype).build
-        cell = {name: {"ops": count_ops(build()), "turns": []} for name, build in systems.items()}
-        steps = {name: evaluated(build) for name, build in systems.items()}
+        prompts = [[int(t) for t in rng.integers(20, min(4000, vocab), args.context)] for _ in range(lanes)]
+        steps, cell = {}, {}
+        for system in systems:
+            for kind, build in system.open(prompts).items():
+                name = f"{system.name}:{kind}" if len(systems) > 1 else kind
+                cell[name] = {"ops": count_ops(build.build()), "turns": []}
+                steps[name] = build.pipelined if kind == "plain" else evaluated(build.build)
         if args.peer:
             peer = PeerSteps(args.model, args.dtype, prompts)
             steps["peer"], cell["peer"] = peer.step, {"turns": []}
@@ -157,19 +200,39 @@ def run(args) -> dict:
             c["median_ms"], c["spread_ms"] = statistics.median(medians), [min(medians), max(medians)]
             c["cpu_ms"] = statistics.median(t["cpu_ms"] for t in c["turns"])
         if args.peer:
-            cell["plain_over_peer_speed"] = cell["peer"]["median_ms"] / cell["plain"]["median_ms"]
             del peer
-        if drafter:
-            cell["draft_over_plain"] = cell["draft"]["median_ms"] / cell["plain"]["median_ms"]
-            for slot in dslots:
-                drafter.close_lane(slot)
-        for slot in slots:
-            target.close_lane(slot)
+        for system in systems:
+            system.close()
         result["lanes"][lanes] = cell
         print(f"lanes {lanes}: " + "; ".join(
             f"{name} {c['median_ms']:.3f} ms [{c['spread_ms'][0]:.3f}, {c['spread_ms'][1]:.3f}] cpu {c['cpu_ms']:.3f}" + (f" ops {c['ops'][0]} kernels {c['ops'][1]}" if "ops" in c else "")
-            for name, c in cell.items() if isinstance(c, dict)), flush=True)
+            for name, c in cell.items()), flush=True)
+    if args.reserve:
+        result["reserved"] = reserve_check(systems, args, rng)
     return result
+
+
+def reserve_check(systems: list[System], args, rng) -> dict:
+    """One lane's plain step with the KV pools at their usual size and grown to hold
+    `--reserve` positions per slot: equal when the KV write updates the pools in place,
+    slower by a copy of every pool per step when it does not."""
+    prompts = [[int(t) for t in rng.integers(20, 4000, args.context)]]
+    out = {}
+    for system in systems:
+        step = system.open(prompts)["plain"].pipelined
+        for size in ("usual", "reserved"):
+            if size == "reserved":
+                for pool in system.target.kv.values():
+                    pool.reserve(args.reserve)
+                mx.eval(system.target.state_arrays())
+            for _ in range(3):
+                step()
+            wall, _ = timed_steps(step, args.seconds)
+            out[f"{system.name}:{size}"] = {"median_ms": statistics.median(wall) * 1e3, "kv_bytes": system.target.kv_bytes()}
+        system.close()
+        print(f"KV pools of {out[system.name + ':reserved']['kv_bytes'] / 1e9:.1f} GB: {system.name} plain step "
+              f"{out[system.name + ':usual']['median_ms']:.3f} -> {out[system.name + ':reserved']['median_ms']:.3f} ms", flush=True)
+    return out
 
 
 def commit() -> str:
@@ -185,9 +248,12 @@ def markdown(result: dict) -> str:
              "| lanes | system | median ms | spread of turn medians | process CPU ms | ops | kernels |", "|---|---|---|---|---|---|---|"]
     for lanes, cell in result["lanes"].items():
         for name, c in cell.items():
-            if isinstance(c, dict):
-                ops = c.get("ops", ("", ""))
-                lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | {c['cpu_ms']:.3f} | {ops[0]} | {ops[1]} |")
+            ops = c.get("ops", ("", ""))
+            lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | {c['cpu_ms']:.3f} | {ops[0]} | {ops[1]} |")
+    if result.get("reserved"):
+        lines += ["", "One lane's plain step, KV pools at their usual size and grown (`--reserve`):", "",
+                  "| system | median ms | KV pool bytes |", "|---|---|---|"]
+        lines += [f"| {name} | {c['median_ms']:.3f} | {c['kv_bytes']:,} |" for name, c in result["reserved"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -202,6 +268,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="seconds per system per turn")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--peer", action="store_true", help="also time mlx-lm's BatchGenerator (needs mlx-lm)")
+    p.add_argument("--families", type=lambda s: s.split(","), default=["families"],
+                   help="families packages to compare, by import name (default: families)")
+    p.add_argument("--reserve", type=int, default=0, help="also time one lane with the KV pools grown to this many positions")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="step")
     args = p.parse_args()
