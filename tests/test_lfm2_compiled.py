@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 
 from families.lfm2 import Lfm2Target, load_model
-from families.lfm2.cache import RaggedLayout
+from families.lfm2.cache import RaggedLayout, traced_key_span
 from families.lfm2.drafter import load_drafter
-from families.lfm2.target import COMPILED_KEY_BUCKET
 from families.lfm2.tiny_drafter import make_tiny_drafter
 
 TAPS = (1, 3)
@@ -67,6 +66,14 @@ def test_differently_quantized_projections_stay_separate(dense_dir):
     np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("furthest", [1, 255, 257, 2000, 4097, 40_000, 126_000])
+def test_traced_key_spans_grow_with_the_context(furthest):
+    span = traced_key_span([furthest - 1], 1)
+    assert furthest <= span < furthest + max(256, furthest // 8)
+    assert span == traced_key_span([furthest - 1], 1, key_bucket=256)
+    assert traced_key_span([span - 1], 1) == span  # steps up to the span share its trace
+
+
 def pair(path, lanes=4):
     """The same checkpoint served eagerly and compiled."""
     targets = []
@@ -81,7 +88,7 @@ def test_compiled_decode_equals_eager_across_span_buckets(checkpoint, request):
     """Four lanes, given out of slot order, decode greedily past a key-span bucket, each
     round fed the previous round's unread choices: logits, taps, tokens and caches match."""
     eager, compiled = pair(request.getfixturevalue(checkpoint))
-    contexts = [COMPILED_KEY_BUCKET - 6, 9, 30, COMPILED_KEY_BUCKET - 3]
+    contexts = [250, 9, 30, 253]  # the key span's first bucket is 256 keys
     order = [2, 0, 3, 1]
     runs = []
     for target in (eager, compiled):

@@ -40,7 +40,7 @@ class Traces:
     from Python inside a trace is baked into it silently), so each spec gets its own
     function; the least recently used are dropped past `limit`."""
 
-    def __init__(self, build, limit: int = 32):
+    def __init__(self, build, limit: int = 128):
         self.build, self.limit = build, limit
         self._compiled: OrderedDict = OrderedDict()
 
@@ -60,6 +60,15 @@ class Traces:
 def key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
     """Keys a round attends: the furthest row any lane reaches, rounded up to `key_bucket`."""
     return -(-max(o + width for o in offsets) // key_bucket) * key_bucket
+
+
+def traced_key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
+    """The key span of a compiled round: rounded up to at least `key_bucket` and 256
+    keys, and to an eighth to a sixteenth of the span itself, so a trace serves a number
+    of steps that grows with the context (a new trace every 256 steps at 2K tokens, every
+    8K at 128K) while the masked keys read stay under an eighth."""
+    furthest = max(o + width for o in offsets)
+    return key_span(offsets, width, max(key_bucket, 256, 1 << max(furthest.bit_length() - 4, 0)))
 
 
 class RaggedLayout:

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, row_bucket
+from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, row_bucket, traced_key_span
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, load_layer_by_layer, read_tensors
 from .model import Lfm2Model, attend, merged_linear, swiglu
@@ -508,7 +508,8 @@ class DSparkDrafter:
         n = len(lanes)
         lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        layout = RaggedLayout([g] * n, lengths, span=key_span(lengths, g, KEY_BUCKET))
+        span = traced_key_span(lengths, g, KEY_BUCKET) if self.compiled else key_span(lengths, g, KEY_BUCKET)
+        layout = RaggedLayout([g] * n, lengths, span=span)
         for pool in self.kv:
             pool.reserve(layout.span)
         contiguous = slots == list(range(slots[0], slots[0] + n))

@@ -19,13 +19,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, plans_per_shape, row_bucket
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, plans_per_shape, row_bucket, traced_key_span
 from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
 
-# Compiled rounds attend a key span rounded up to this many rows (masked past each
-# lane's rows), so a trace serves this many steps before the span grows.
-COMPILED_KEY_BUCKET = 256
 
 
 class ContextLimitError(ValueError):
@@ -153,7 +150,7 @@ class Lfm2Target:
         widths_sorted, offsets_sorted = [widths[i] for i in order], [offsets[i] for i in order]
         slots = [lanes[i].slot for i in order]
         compile_round = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
-        span = key_span(offsets_sorted, widths[0], max(key_bucket, COMPILED_KEY_BUCKET)) if compile_round else None
+        span = traced_key_span(offsets_sorted, widths[0], key_bucket) if compile_round else None
         layout = RaggedLayout(widths_sorted, offsets_sorted, key_bucket, span=span)
         for pool in self.kv.values():
             pool.reserve(layout.span)
