@@ -236,6 +236,7 @@ def test_snapshot_reports_each_band():
         "lanes=2-3,context<=8K": {
             "lanes": "2-3",
             "context": "8K",
+            "drafting": False,  # drafting explored; plain is explored next
             "drafting_wins": None,  # plain not measured yet
             "drafted_tps": 24.0,
             "plain_tps": None,
