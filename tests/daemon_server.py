@@ -19,17 +19,19 @@ from tests.priced import price_without_timing
 
 
 def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 64, max_model_len: int | None = None,
-                  stall_seconds: float = 30.0, name: str = "tiny") -> tuple[Serving, Engine]:
+                  stall_seconds: float = 30.0, draft_width: int | None = None,
+                  name: str = "tiny") -> tuple[Serving, Engine]:
     """An engine thread serving a tiny checkpoint, with its generation_config.json's
-    sampling defaults as `serve` reads them. With a drafter, every round drafts and every
-    draft is priced in (tests.priced), so drafted rounds happen on any machine."""
+    sampling defaults as `serve` reads them. With a drafter, every round drafts: each lane
+    verifies `draft_width - 1` drafts, or without a width every draft is priced in
+    (tests.priced), so drafted rounds happen on any machine."""
     loaded = open_target(target_dir, max_lanes=streams)
     drafter = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=streams)
     engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
-                    EngineConfig(max_streams=streams, max_waiting=queue))
-    if drafter is not None:
+                    EngineConfig(max_streams=streams, max_waiting=queue, draft_width=draft_width))
+    if drafter is not None and draft_width is None:
         price_without_timing(engine)
     client = EngineClient(engine, stall_seconds=stall_seconds)
     client.start()

@@ -33,8 +33,8 @@ def drafter_dir(dense_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dense(dense_dir, drafter_dir):
-    """A dense target drafting every round, 16 lanes."""
-    serving, engine = build_serving(dense_dir, drafter_dir)
+    """A dense target drafting three tokens every round, 16 lanes."""
+    serving, engine = build_serving(dense_dir, drafter_dir, draft_width=4)
     server = LiveServer(serving)
     yield server, engine
     server.close()
@@ -484,6 +484,33 @@ def test_a_stalled_engine_turns_health_503(one_lane, monkeypatch):
     wait_until(lambda: http("GET", server.url + "/health")[0] == 200, 5)
 
 
+def test_a_dead_engine_thread_turns_health_503_and_ends_its_streams(dense_dir, monkeypatch):
+    serving, engine = build_serving(dense_dir, streams=2)
+    server = LiveServer(serving)
+
+    def die(lanes, *args, **kwargs):
+        raise SystemExit("the engine thread is gone")  # not an Exception: no round may catch it
+
+    monkeypatch.setattr(engine.rounds, "run", die)
+    try:
+        async def main():
+            async with aiohttp.ClientSession() as session:
+                return await sse_lines(session, server.url + "/v1/completions",
+                                       {"prompt": PROMPTS[0], "max_tokens": 8, "stream": True})
+
+        lines = asyncio.run(main())
+        assert lines[-1] == b"data: [DONE]" and "error" in data_events(lines)[-1]
+        wait_until(lambda: not serving.client.health().alive, 5)  # its last act was ending the streams
+        status, _, body = http("GET", server.url + "/health")
+        assert status == 503 and json.loads(body)["status"] == "dead" and "SystemExit" in json.loads(body)["error"]
+        assert http("GET", server.url + "/ready")[0] == 503
+        assert_error(http("POST", server.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2}), 503,
+                     code="engine_unavailable")
+    finally:
+        server.close()
+        serving.client.shutdown(0)
+
+
 def test_keepalive_comments_while_a_long_prompt_is_read(one_lane, monkeypatch):
     server, engine = one_lane
     patient = LiveServer(server.serving, ServerConfig("tiny", keepalive_seconds=0.05))
@@ -522,10 +549,11 @@ OWN_NAMES = ["rounds", "round_seconds", "verify_rows", "guard_drafting", "guard_
 
 
 def test_metrics_parse_and_count_what_was_served(dense):
-    server, _ = dense
+    server, engine = dense
     before = scrape(server)
     assert {"laneserve:" + n for n in VLLM_NAMES + OWN_NAMES} <= set(before)
     reply = sdk(server).completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=9)
+    wait_until(lambda: engine.stats()["running"] == 0)  # the lane retires just after its last event
     after = scrape(server)
 
     def delta(family, suffix="", **labels):
