@@ -92,6 +92,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: bool
+    continuous_usage: bool = False  # usage so far on every chunk (stream_options.continuous_usage_stats)
 
 
 class Front:
@@ -138,8 +139,10 @@ class Front:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         request = Request(prompt, max_tokens, self.sampling(body), stop, draft=body.draft,
                           id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), logprobs=logprobs)
-        include_usage = body.stream and body.stream_options is not None and body.stream_options.include_usage
-        return Job(chat, request, body.stream, include_usage, logprobs is not None)
+        options = body.stream_options if body.stream else None
+        include_usage = options is not None and options.include_usage
+        continuous = options is not None and options.continuous_usage_stats
+        return Job(chat, request, body.stream, include_usage, logprobs is not None, continuous)
 
     def sampling(self, body: GenerationFields) -> SamplingParams:
         """A request field wins over the checkpoint's generation_config.json, which wins
@@ -254,6 +257,7 @@ class Reply:
         self.id = job.request.id
         self.created = int(time.time())
         self._text_offset = 0  # completions' text_offset runs over the whole reply
+        self._generated = 0  # tokens streamed so far
 
     # ---- logprobs ----------------------------------------------------------------------
 
@@ -295,6 +299,7 @@ class Reply:
         """The SSE event for one lane event (text, logprobs, and on the last one the
         finish_reason and timings); nothing when it carries none of these."""
         entries = event.logprobs if self.job.logprobs and event.logprobs else None
+        self._generated += len(event.token_ids)
         final = event.completion
         if not event.text and entries is None and final is None:
             return b""
@@ -311,6 +316,9 @@ class Reply:
                                        [CompletionChoice(0, event.text, finish, logprobs)])
         if timings is not None:
             body.timings = timings
+        if self.job.continuous_usage:
+            prompt = len(self.job.request.prompt)
+            body.usage = Usage(prompt, self._generated, prompt + self._generated)
         return sse(body)
 
     def usage_chunk(self, completion: Completion) -> bytes:

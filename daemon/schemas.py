@@ -92,6 +92,7 @@ class ChatMessage(Struct):
 
 class StreamOptions(Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class GenerationFields(Struct, kw_only=True):

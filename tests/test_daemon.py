@@ -147,6 +147,19 @@ def test_completions_streamed_with_usage_equal_the_whole_reply(dense):
         == ids.choices[0].text
 
 
+def test_continuous_usage_stats_count_tokens_on_every_chunk(dense):
+    # vLLM's stream_options.continuous_usage_stats: clients (bench_concurrent) count the
+    # tokens each chunk brought without asking for logprobs.
+    server, _ = dense
+    client = sdk(server)
+    whole = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12)
+    chunks = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == whole.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+
+
 def test_logprobs_in_chat_and_completions_shapes(dense):
     server, _ = dense
     client = sdk(server)
