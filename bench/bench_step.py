@@ -169,7 +169,7 @@ class System:
             self.drafter.close_lane(slot)
 
 
-def run(args) -> dict:
+def run(args, saved=lambda result: None) -> dict:
     systems = [System(pkg, args) for pkg in args.families]
     vocab = systems[0].target.vocab_size
     rng = np.random.default_rng(0)
@@ -204,11 +204,13 @@ def run(args) -> dict:
         for system in systems:
             system.close()
         result["lanes"][lanes] = cell
+        saved(result)
         print(f"lanes {lanes}: " + "; ".join(
             f"{name} {c['median_ms']:.3f} ms [{c['spread_ms'][0]:.3f}, {c['spread_ms'][1]:.3f}] cpu {c['cpu_ms']:.3f}" + (f" ops {c['ops'][0]} kernels {c['ops'][1]}" if "ops" in c else "")
             for name, c in cell.items()), flush=True)
     if args.reserve:
         result["reserved"] = reserve_check(systems, args, rng)
+        saved(result)
     return result
 
 
@@ -278,7 +280,11 @@ def main() -> None:
         args.drafter = str(default_drafter_dir())
     if args.no_drafter:
         args.drafter = None
-    result = run(args)
+    run(args, lambda result: save(result, args))
+
+
+def save(result: dict, args) -> None:
+    """Write what is measured so far (after every cell: a run cut short keeps its cells)."""
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
