@@ -72,11 +72,10 @@ def falling_with_context_profile() -> SurvivalProfile:
 class ScriptedProposal:
     tokens: mx.array
     confidences: mx.array
-    logits: mx.array  # one-hot-peaked: the drafter "samples" exactly its proposal
     real: object  # the real forward's proposal: evaluated with this one, and validated
 
     def arrays(self) -> list[mx.array]:
-        return [self.tokens, self.confidences, self.logits, *self.real.arrays()]
+        return [self.tokens, self.confidences, *self.real.arrays()]
 
 
 class ScriptedDrafter:
@@ -144,8 +143,9 @@ class ScriptedDrafter:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
         return self.drafter.validate(proposal.real)
 
-    def propose(self, lanes, anchors, width=None, pick=None) -> ScriptedProposal:
-        real = self.drafter.propose(lanes, anchors, width, pick)
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True) -> ScriptedProposal:
+        # The real forward is paid as the lane core asks for it; its drafts are replaced.
+        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits)
         g = real.tokens.shape[1]
         tokens, confidences = [], []
         for lane, anchor in zip(lanes, anchors):
@@ -157,9 +157,7 @@ class ScriptedDrafter:
             survived = np.cumprod(draws < np.array(chances)).astype(bool)
             tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
             confidences.append(chances)
-        tokens_arr = mx.array(tokens, dtype=mx.int32)
-        peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0)
-        return ScriptedProposal(tokens_arr, mx.array(confidences, dtype=mx.float32), peaked, real)
+        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(confidences, dtype=mx.float32), real)
 
     def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
         """The recorded tokens after history + anchor (token 0 past the recording)."""

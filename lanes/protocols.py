@@ -79,8 +79,10 @@ class Drafter(Protocol):
     def append(self, lanes: list[LaneCache], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
         """Add newly committed rows (their taps and token ids) to each lane's context."""
 
-    def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None) -> Proposal:
-        """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward."""
+    def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True) -> Proposal:
+        """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward
+        (`chain_logits=False`: without the chain's [N, g, V] logits)."""
 
     def validate(self, proposal: Proposal) -> list[Exception | None]:
         """Per lane: None when its drafts may be verified, else the error that makes its round plain."""

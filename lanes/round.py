@@ -308,8 +308,9 @@ class RoundRunner:
         batched forward: each lane's drafts, raw confidences, and problem (None if sound)."""
         self._fold_pending(drafting)
         g = self.proposals
+        # Verification compares tokens only: the chain's float32 logits are never read.
         proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
-                                        drafter_pick(drafting, g))
+                                        drafter_pick(drafting, g), chain_logits=False)
         mx.eval(proposal.arrays())
         problems = self.drafter.validate(proposal)
         for lane, problem in zip(drafting, problems):

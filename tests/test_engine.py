@@ -202,7 +202,7 @@ def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, draf
     engine.rounds.guard = DraftGuard()
     proposals = []
     propose = engine.drafter.propose
-    engine.drafter.propose = lambda lanes, *args: proposals.append(len(lanes)) or propose(lanes, *args)
+    engine.drafter.propose = lambda lanes, *args, **kwargs: proposals.append(len(lanes)) or propose(lanes, *args, **kwargs)
     before = mx.get_active_memory()
 
     engine.warm_up()
