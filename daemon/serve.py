@@ -95,7 +95,7 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Servi
     restore_wired = wire_for_serving(target, drafter, max_model_len, log)  # Metal only; a no-op elsewhere
     engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
                           EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width))
-    log.info("lanes: up to %d streams per round, %d waiting at most", args.max_streams, args.max_queue)
+    log.info("lanes: up to %d per round, %d waiting at most", args.max_streams, args.max_queue)
     log.info("context: %d tokens per request (prompt + max_tokens)", max_model_len)
     defaults = generation_defaults(args.model)
     log.info("sampling defaults from generation_config.json: %s", defaults or "none (greedy)")
