@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -33,18 +34,15 @@ def _cpu_float32():
     mx.set_default_device(mx.cpu)
 
 
-_exit_status = {"code": 0}
-
-
 def pytest_sessionfinish(session, exitstatus):
-    _exit_status["code"] = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
     # MLX (0.32) can abort the interpreter at exit once arrays were evaluated on threads
-    # other than the main one (ml-explore/mlx#3126), as the engine's are: end the process
-    # with pytest's own status once its report is written.
+    # other than the main one (ml-explore/mlx#3126), as the engine's are. Once Python's
+    # own shutdown has begun (pytest has written its report by then), end the process
+    # with pytest's status before C++ static destructors run.
+    atexit.register(_exit_now, int(exitstatus))
+
+
+def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(_exit_status["code"])
+    os._exit(code)
