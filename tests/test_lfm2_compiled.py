@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from families.lfm2 import Lfm2Target, load_model
-from families.lfm2.cache import RaggedLayout, traced_key_span
+from families.lfm2.cache import RaggedLayout
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
 
@@ -66,14 +66,6 @@ def test_differently_quantized_projections_stay_separate(dense_dir):
     np.testing.assert_allclose(np.array(after), np.array(before), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("furthest", [1, 255, 257, 2000, 4097, 40_000, 126_000])
-def test_traced_key_spans_grow_with_the_context(furthest):
-    span = traced_key_span([furthest - 1], 1)
-    assert furthest <= span < furthest + max(256, furthest // 8)
-    assert span == traced_key_span([furthest - 1], 1, key_bucket=256)
-    assert traced_key_span([span - 1], 1) == span  # steps up to the span share its trace
-
-
 def pair(path, lanes=4):
     """The same checkpoint served eagerly and compiled."""
     targets = []
@@ -85,8 +77,9 @@ def pair(path, lanes=4):
 
 @pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
 def test_compiled_decode_equals_eager_across_span_buckets(checkpoint, request):
-    """Four lanes, given out of slot order, decode greedily past a key-span bucket, each
-    round fed the previous round's unread choices: logits, taps, tokens and caches match."""
+    """Four lanes, given out of slot order, decode greedily past a key-span bucket and a
+    KV pool growth, each round fed the previous round's unread choices: logits, taps,
+    tokens and caches match."""
     eager, compiled = pair(request.getfixturevalue(checkpoint))
     contexts = [250, 9, 30, 253]  # the key span's first bucket is 256 keys
     order = [2, 0, 3, 1]
@@ -112,7 +105,8 @@ def test_compiled_decode_equals_eager_across_span_buckets(checkpoint, request):
         for name in theirs:
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
     decode_traces = [spec for spec in compiled._traces.specs() if spec.widths == (1,) * len(order)]
-    assert len(decode_traces) == 2  # one trace per key-span bucket, none per step
+    # One trace per segment: the key span grew past a bucket, yet nothing was traced again.
+    assert len(decode_traces) == len(compiled.config.attention_layers) + 1
 
 
 @pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
@@ -197,10 +191,11 @@ def sampled_pick(logits: mx.array, k: int) -> mx.array:
 @pytest.mark.parametrize("pick", [None, sampled_pick])
 def test_compiled_proposals_equal_eager(drafter_pair, pick):
     """Three lanes at non-contiguous slots with ragged contexts, two rounds (appends in
-    between): tokens, confidences, chain logits and faults match; without the chain
-    logits the same tokens, confidences and faults come back."""
+    between, the key span growing past a bucket): tokens, confidences, chain logits and
+    faults match; without the chain logits the same tokens, confidences and faults come
+    back."""
     rng = np.random.default_rng(0)
-    contexts, width = [7, 19, 12], len(TAPS) * 64
+    contexts, width = [251, 19, 12], len(TAPS) * 64  # lane 0's keys cross 256 in the second round
     results = []
     for drafter in drafter_pair:
         slots = [drafter.open_lane() for _ in range(4)]
@@ -218,12 +213,16 @@ def test_compiled_proposals_equal_eager(drafter_pair, pick):
             np.testing.assert_array_equal(np.array(lean.confidences), np.array(full.confidences))
             assert lean.faults.tolist() == full.faults.tolist() == [0, 0, 0]
             log.append([np.array(a) for a in full.arrays()])
-            more = [mx.array(rng.standard_normal((n, width)).astype(np.float32)) for n in (1, 3, 2)]
+            more = [mx.array(rng.standard_normal((n, width)).astype(np.float32)) for n in (3, 1, 2)]
             drafter.append(lanes, more, [[0] * m.shape[0] for m in more])
         results.append(log)
         for lane in lanes:
             drafter.close_lane(lane)
         rng = np.random.default_rng(0)
+    compiled = drafter_pair[1]
+    traced = [spec for spec in compiled._segments.specs() if spec.lanes == 3 and spec.greedy == (pick is None)]
+    # One trace per segment, with and without the chain logits; the contexts' growth retraced nothing.
+    assert len(traced) == 2 * (len(compiled.kv) + 1)
     for eager_round, compiled_round in zip(*results):
         (tokens_e, *floats_e), (tokens_c, *floats_c) = eager_round, compiled_round
         np.testing.assert_array_equal(tokens_c, tokens_e)

@@ -62,15 +62,6 @@ def key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
     return -(-max(o + width for o in offsets) // key_bucket) * key_bucket
 
 
-def traced_key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
-    """The key span of a compiled round: rounded up to at least `key_bucket` and 256
-    keys, and to an eighth to a sixteenth of the span itself, so a trace serves a number
-    of steps that grows with the context (a new trace every 256 steps at 2K tokens, every
-    8K at 128K) while the masked keys read stay under an eighth."""
-    furthest = max(o + width for o in offsets)
-    return key_span(offsets, width, max(key_bucket, 256, 1 << max(furthest.bit_length() - 4, 0)))
-
-
 class RaggedLayout:
     """Where each lane's rows sit in a round.
 
@@ -81,9 +72,9 @@ class RaggedLayout:
     """
 
     def __init__(self, widths: list[int], offsets: list[int] | None, key_bucket: int = 1, *,
-                 offsets_array: mx.array | None = None, span: int | None = None):
-        """`offsets` are each lane's first position, as host ints; a compiled round knows
-        them only as `offsets_array` (traced) and is given its `span` instead."""
+                 offsets_array: mx.array | None = None):
+        """`offsets` are each lane's first position, as host ints; a compiled segment
+        knows them only as `offsets_array` (traced), and attends no keys (no span)."""
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
@@ -100,7 +91,7 @@ class RaggedLayout:
         # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
         # attention shapes steady from round to round, so a backend that builds kernels
         # or plans per shape builds them once per bucket, not once per round.
-        self.span = key_span(self.offsets, self.width, key_bucket) if span is None and offsets is not None else span
+        self.span = None if offsets is None else key_span(self.offsets, self.width, key_bucket)
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, key_span, row_bucket, traced_key_span
+from .cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, row_bucket
 from .config import CheckpointError, Lfm2Config, read_json
 from .loader import DTYPES, load_layer_by_layer, read_tensors
 from .model import Lfm2Model, attend, merged_linear, swiglu
@@ -218,16 +218,23 @@ class DSparkAttention(nn.Module):
         v = self.v_proj(x).reshape(n, t, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         return self.rope(k, offset), v
 
-    def __call__(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
+    def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
+        """Block rows `[N, g, H]` -> q, k, v `[N, heads, g, D]` at the block's positions."""
         n, g, _ = x.shape
         offset = layout.rope_offset()
         q = self.q_norm(self.q_proj(x).reshape(n, g, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset)
-        # The block's keys go to the pool just past the committed context; they are read
-        # this round only and overwritten by the next append.
-        pool.write(slots, layout, *self.keys_values(x, offset))
+        return (self.rope(q, offset), *self.keys_values(x, offset))
+
+    def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
+        """The block's keys go to the pool just past the committed context (read this
+        round only, overwritten by the next append); the block attends over the lane's
+        context and itself."""
+        pool.write(slots, layout, k, v)
         keys, values = pool.read(slots, layout)
-        o = attend(q, keys, values, self.scale, mask)
+        return attend(q, keys, values, self.scale, mask)
+
+    def finish(self, o: mx.array) -> mx.array:
+        n, _, g, _ = o.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, g, -1))
 
 
@@ -261,8 +268,12 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = DSparkMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def __call__(self, h: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), layout, slots, pool, mask)
+    def project(self, h: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(h), layout)
+
+    def finish(self, h: mx.array, attended: mx.array) -> mx.array:
+        """The rest of the layer once its attention core has run."""
+        h = h + self.self_attn.finish(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -307,9 +318,10 @@ class DSparkModel(nn.Module):
         return self.hidden_norm(self.fc(taps))
 
     def block(self, h: mx.array, layout: RaggedLayout, slots: list[int], pools: list[KVPool], mask) -> mx.array:
-        """Embedded block [N, g, H] -> final-normed hidden rows `h_k` [N, g, H]."""
+        """Embedded block [N, g, H] -> final-normed hidden rows `h_k` [N, g, H]: each
+        layer's projections, its attention core, and the rest of it."""
         for layer, pool in zip(self.layers, pools):
-            h = layer(h, layout, slots, pool, mask)
+            h = layer.finish(h, layer.self_attn.core(*layer.project(h, layout), layout, slots, pool, mask))
         return self.norm(h)
 
 
@@ -320,14 +332,14 @@ NONFINITE_LOGITS, NONFINITE_CONFIDENCE, ID_OUT_OF_RANGE = 1, 2, 4
 
 
 @dataclass(frozen=True)
-class ProposalSpec:
-    """Everything about a compiled proposal that is not an array: proposals with the same
-    spec share a trace (see target.RoundSpec)."""
+class ProposalSegment:
+    """Everything about a compiled segment of a proposal that is not an array: segments
+    with the same spec share a trace (see target.SegmentSpec)."""
 
+    segment: int  # between the attention cores of block layers segment-1 and segment
+    lanes: int
     width: int  # g
-    span: int  # context keys attended
-    slots: tuple[int, ...] | None  # contiguous slots (read as views), else None: slot ids come as an array
-    greedy: bool  # the argmax chain runs inside the trace (a pick runs it on the host's terms)
+    greedy: bool  # the argmax chain runs in the last segment (a pick runs it on the host's terms)
     chain_logits: bool
 
 
@@ -405,8 +417,8 @@ class DSparkDrafter:
         for layer in model.layers:
             layer.mlp.merge_projections()
         self.compiled = compiled
-        self._proposals = Traces(self._traced_proposal)
-        self._appends = Traces(lambda rows: self._append_arrays)
+        self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
+        self._contexts = Traces(lambda rows: self._context_keys_values)
         mx.eval(self.state_arrays(), model.parameters())  # built here, possibly evaluated on the engine thread
 
     @property
@@ -465,30 +477,21 @@ class DSparkDrafter:
         rows = mx.concatenate(parts, axis=0)
         if pad:
             rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
-        for pool in self.kv:
-            pool.reserve(max(positions) + 1)
-        arrays = [rows, mx.array(slots, dtype=mx.int32), mx.array(positions, dtype=mx.int32), *self.state_arrays()]
-        state = self._appends(len(positions))(*arrays) if self.compiled else self._append_arrays(*arrays)
-        self._hold(state)
+        layout = RaggedLayout([1] * len(positions), positions)
+        slot_ids = layout.slot_ids(slots)
+        context = self._contexts(len(positions)) if self.compiled else self._context_keys_values
+        keys_values = context(rows, layout.offsets_array)
+        for j, pool in enumerate(self.kv):
+            pool.reserve(layout.span)
+            pool.write(slot_ids, layout, keys_values[2 * j], keys_values[2 * j + 1])
         for lane, rows in zip(lanes, taps):
             lane.length += rows.shape[0]
 
-    def _append_arrays(self, rows: mx.array, slots: mx.array, positions: mx.array, *state: mx.array) -> list[mx.array]:
-        """Context rows `[R, n_taps * H_target]` written at their slots and positions:
-        the pool arrays in, the pool arrays after out (eager or traced)."""
-        layout = RaggedLayout([1] * rows.shape[0], None, offsets_array=positions)
-        pools = self._holding(state)
+    def _context_keys_values(self, rows: mx.array, positions: mx.array) -> list[mx.array]:
+        """Context rows `[R, n_taps * H_target]` at their positions -> each layer's roped
+        keys and values `[R, kv_heads, 1, D]` (flat: k0, v0, k1, ...; eager or traced)."""
         c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
-        for layer, pool in zip(self.model.layers, pools):
-            pool.write(slots, layout, *layer.self_attn.keys_values(c, positions))
-        return [a for pool in pools for a in (pool.keys, pool.values)]
-
-    def _holding(self, state) -> list[KVPool]:
-        return [pool.holding(state[2 * j], state[2 * j + 1]) for j, pool in enumerate(self.kv)]
-
-    def _hold(self, state: list[mx.array]) -> None:
-        for j, pool in enumerate(self.kv):
-            pool.keys, pool.values = state[2 * j], state[2 * j + 1]
+        return [a for layer in self.model.layers for a in layer.self_attn.keys_values(c, positions)]
 
     def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None,
                 *, chain_logits: bool = True) -> Proposal:
@@ -508,21 +511,29 @@ class DSparkDrafter:
         n = len(lanes)
         lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        span = traced_key_span(lengths, g, KEY_BUCKET) if self.compiled else key_span(lengths, g, KEY_BUCKET)
-        layout = RaggedLayout([g] * n, lengths, span=span)
+        layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
         for pool in self.kv:
             pool.reserve(layout.span)
-        contiguous = slots == list(range(slots[0], slots[0] + n))
-        # A pick is a host callable: the chain then runs eagerly after the block.
-        spec = ProposalSpec(g, layout.span, tuple(slots) if contiguous else None, pick is None, chain_logits)
+        # No causal mask inside the block: each lane sees its context and its whole block;
+        # only keys past its own block (other lanes' longer contexts, the bucket's
+        # rounding) are hidden.
+        mask = None
+        if layout.span != lengths[0] + g or len(set(lengths)) > 1:
+            visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
+            mask = visible[:, None, None, :]
+        # The block runs as segments between its layers' attention cores (see target.py);
+        # with a pick (a host callable) the chain runs after the last, eagerly.
         anchors_array = mx.array(anchors, dtype=mx.int32)
-        arrays = [anchors_array, layout.offsets_array, *([] if contiguous else [layout.slot_ids(slots)]), *self.state_arrays()]
-        if self.compiled:
-            outputs = self._proposals(spec)(*arrays)
-        else:
-            outputs = self._proposal_arrays(spec, layout, slots, anchors_array, self.state_arrays())
-        self._hold(outputs[: 2 * len(self.kv)])
-        outputs = outputs[2 * len(self.kv) :]
+        h, attended, last = anchors_array, None, len(self.kv)
+        for j in range(last + 1):
+            args = [h, *([attended] if j else []), *([anchors_array] if j == last else []), layout.offsets_array]
+            if self.compiled:
+                outputs = self._segments(ProposalSegment(j, n, g, pick is None, chain_logits))(*args)
+            else:
+                outputs = self._segment_arrays(j, g, pick is None, chain_logits, *args)
+            if j < len(self.kv):
+                h, *qkv = outputs
+                attended = self.model.layers[j].self_attn.core(*qkv, layout, slots, self.kv[j], mask)
         if pick is not None:
             outputs = self._chain(outputs[0], anchors_array, pick, chain_logits)
         tokens, confidences, logits, faults = outputs if chain_logits else (outputs[0], outputs[1], None, outputs[2])
@@ -530,31 +541,29 @@ class DSparkDrafter:
             confidences = None
         return Proposal(tokens, confidences, logits, faults, cfg.vocab_size)
 
-    def _traced_proposal(self, spec: ProposalSpec):
-        """`_proposal_arrays` for one spec, as a function of arrays only."""
+    def _traced_segment(self, spec: ProposalSegment):
+        """`_segment_arrays` for one spec, as a function of arrays only."""
+        return lambda *args: self._segment_arrays(spec.segment, spec.width, spec.greedy, spec.chain_logits, *args)
 
-        def proposal_fn(anchors, offsets, *arrays):
-            layout = RaggedLayout([spec.width] * anchors.shape[0], None, offsets_array=offsets, span=spec.span)
-            slots = list(spec.slots) if spec.slots is not None else arrays[0]
-            state = arrays if spec.slots is not None else arrays[1:]
-            return self._proposal_arrays(spec, layout, slots, anchors, state)
-
-        return proposal_fn
-
-    def _proposal_arrays(self, spec: ProposalSpec, layout: RaggedLayout, slots, anchors: mx.array, state) -> list[mx.array]:
-        """The block forward (and, for greedy proposals, the chain): the pool arrays
-        after the block's keys are written, then the block's hidden rows (a pick's
-        chain runs after) or `_chain`'s outputs."""
-        cfg, g, n = self.config, spec.width, anchors.shape[0]
-        pools = self._holding(state)
-        # No causal mask inside the block: each lane sees its context and its whole block;
-        # only keys past its own block (other lanes' longer contexts, the bucket's
-        # rounding) are hidden.
-        visible = mx.arange(spec.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
-        block = mx.concatenate([anchors[:, None], mx.full((n, g - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
-        h = self.model.block(self.embed(block).astype(self.dtype), layout, slots, pools, visible[:, None, None, :])
-        outputs = [a for pool in pools for a in (pool.keys, pool.values)]
-        return outputs + (self._chain(h, anchors, None, spec.chain_logits) if spec.greedy else [h])
+    def _segment_arrays(self, j: int, g: int, greedy: bool, chain_logits: bool, *args: mx.array) -> list[mx.array]:
+        """Segment j of a proposal, eager or traced: the rest of block layer j-1 once its
+        attention core has run, and layer j's projections. In: the anchors (j = 0) or
+        the block's rows and core j-1's output (j > 0), the anchors again (the last
+        segment), the block's offsets. Out: the rows
+        and (q, k, v) for core j; after the last layer, the final rows (a pick's chain
+        runs after) or, greedy, `_chain`'s outputs."""
+        cfg, layers = self.config, self.model.layers
+        offsets, anchors = args[-1], args[-2]  # the anchors come to the first and the last segment
+        layout = RaggedLayout([g] * offsets.shape[0], None, offsets_array=offsets)
+        if j == 0:
+            block = mx.concatenate([anchors[:, None], mx.full((anchors.shape[0], g - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
+            h = self.embed(block).astype(self.dtype)
+        else:
+            h = layers[j - 1].finish(args[0], args[1])
+        if j < len(layers):
+            return [h, *layers[j].project(h, layout)]
+        h = self.model.norm(h)
+        return self._chain(h, anchors, None, chain_logits) if greedy else [h]
 
     def _chain(self, h: mx.array, anchors: mx.array, pick: Pick | None, keep_logits: bool) -> list[mx.array]:
         """Block rows `h [N, g, H]` -> tokens, confidences (zeros without a confidence

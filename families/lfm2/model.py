@@ -168,15 +168,24 @@ class Attention(nn.Module):
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
         return self.out_proj(o.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
-    def ragged(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
+    def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
+        """Packed rows -> q, k, v `[N, heads, W, D]` at the lanes' positions (RoPE applied)."""
         q, k, v = (layout.pad(t).transpose(0, 2, 1, 3) for t in self.qkv(x))
         offset = layout.rope_offset()
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
+        """The round's keys and values into the pool, then attention over each lane's keys."""
         pool.write(slots, layout, k, v)
         keys, values = pool.read(slots, layout)
-        o = attend(q, keys, values, self.scale, layout.attention_mask(layout.span))
-        o = o.transpose(0, 2, 1, 3).reshape(layout.lanes, layout.width, -1)
-        return self.out_proj(layout.unpad(o))
+        return attend(q, keys, values, self.scale, layout.attention_mask(layout.span))
+
+    def finish(self, o: mx.array, layout: RaggedLayout) -> mx.array:
+        """Attention output `[N, heads, W, D]` -> packed rows after `out_proj`."""
+        return self.out_proj(layout.unpad(o.transpose(0, 2, 1, 3).reshape(layout.lanes, layout.width, -1)))
+
+    def ragged(self, x: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
+        return self.finish(self.core(*self.project(x, layout), layout, slots, pool), layout)
 
 
 class DenseFFN(nn.Module):
@@ -380,18 +389,55 @@ class Lfm2Model(nn.Module):
         """One forward over a round's packed rows `[R]`: every layer runs once over all
         lanes. Attention rows are written to the KV pools at their positions; conv
         states are left untouched: the conv input windows are returned instead, so the
-        caller rebuilds each state once it knows how many rows each lane keeps."""
-        windows = {}
-        h = self.embed_tokens(tokens)
-        tapped = []
-        for i, layer in enumerate(self.layers):
-            x = layer.operator_norm(h)
-            if layer.is_attention:
-                r = layer.self_attn.ragged(x, layout, slots, kv[i])
+        caller rebuilds each state once it knows how many rows each lane keeps.
+
+        Run as the segments between attention cores (see `segment`), the way a compiled
+        round runs them."""
+        h, attended, tapped, windows = self.embed_tokens(tokens), None, [], {}
+        for j in range(len(self.config.attention_layers) + 1):
+            h, qkv, seg_tapped, seg_windows = self.segment(j, h, attended, layout, slots, conv, taps)
+            tapped += seg_tapped
+            windows.update(seg_windows)
+            if qkv is not None:
+                i = self.config.attention_layers[j]
+                attended = self.layers[i].self_attn.core(*qkv, layout, slots, kv[i])
+        return h, tapped, windows
+
+    def segment(
+        self,
+        j: int,
+        h: mx.array,
+        attended: mx.array | None,
+        layout: RaggedLayout,
+        slots: list[int],
+        conv: dict[int, ConvPool],
+        taps: tuple[int, ...],
+    ) -> tuple[mx.array, tuple | None, list[mx.array], dict[int, mx.array]]:
+        """Segment j of a ragged forward: everything between attention core j-1 and
+        attention core j. It finishes attention layer j-1 from its core's output
+        `attended` (out_proj, residual, FFN), runs the conv layers up to attention layer
+        j and that layer's projections: -> residual rows, the (q, k, v) for core j (None
+        after the last), the residuals of tap layers in it, the conv windows. The cores
+        (KV pool writes and attention over each lane's keys) run between segments."""
+        tapped, windows = [], {}
+        for i in self.segment_layers(j):
+            layer = self.layers[i]
+            if layer.is_attention:  # finished from its core's output
+                h = h + layer.self_attn.finish(attended, layout)
             else:
-                r, windows[i] = layer.conv.ragged(x, layout, conv[i].read(slots, layout))
-            h = h + r
+                r, windows[i] = layer.conv.ragged(layer.operator_norm(h), layout, conv[i].read(slots, layout))
+                h = h + r
             h = h + layer.feed_forward(layer.ffn_norm(h))
             if i in taps:
                 tapped.append(h)
-        return h, tapped, windows
+        qkv = None
+        if j < len(self.config.attention_layers):
+            layer = self.layers[self.config.attention_layers[j]]
+            qkv = layer.self_attn.project(layer.operator_norm(h), layout)
+        return h, qkv, tapped, windows
+
+    def segment_layers(self, j: int) -> range:
+        """The layers segment j completes: attention layer j-1 (from its core's output)
+        and the conv layers before attention layer j."""
+        cores = self.config.attention_layers
+        return range(cores[j - 1] if j > 0 else 0, cores[j] if j < len(cores) else len(self.layers))

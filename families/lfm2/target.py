@@ -6,11 +6,14 @@ recomputation: KV rows past the kept prefix are simply not counted, and each con
 is rebuilt from the inputs the forward recorded.
 
 Rounds whose lanes all feed the same few rows (decode steps, padded verify windows) run
-as one compiled function (`mx.compile`): the caches go in and come out as arrays, and
-every per-round value (offsets, slot ids, tokens) is an array argument, so one trace
-serves every round of the same shape. What is not an array (the widths, the key span,
-contiguous slots, the lane order, the taps) is the trace's `RoundSpec`: a value read
-from Python inside a trace would be baked into it silently.
+their layers as compiled functions (`mx.compile`), one per segment between attention
+cores: the conv states go in and come out as arrays and every per-round value (offsets,
+slot ids, tokens) is an array argument, so one trace serves every round of the same
+shape. What is not an array (the segment, the widths, contiguous slots, the taps) is the
+trace's `SegmentSpec`: a value read from Python inside a trace would be baked into it
+silently. The attention cores (KV writes and attention over each lane's keys) run
+between the segments as they do eagerly, so a key span that grows with the context
+never asks for a new trace.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, plans_per_shape, row_bucket, traced_key_span
+from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, plans_per_shape, row_bucket
 from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
 
@@ -44,16 +47,14 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
-class RoundSpec:
-    """Everything about a compiled round that is not an array: rounds with the same spec
-    share a trace."""
+class SegmentSpec:
+    """Everything about a compiled segment of a round that is not an array: segments
+    with the same spec share a trace."""
 
+    segment: int  # between attention cores segment-1 and segment (see Lfm2Model.segment)
     widths: tuple[int, ...]  # rows per lane, slot order
-    span: int  # keys attended
     slots: tuple[int, ...] | None  # contiguous slots (read as views), else None: slot ids come as an array
-    order: tuple[int, ...]  # caller index of each lane in slot order
     taps: tuple[int, ...]
-    last_only: bool  # logits for each lane's last row only
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Lfm2Target:
         self.model = model
         self.compiled = compiled
         self._conv_version = 0  # counts changes to the conv pools (see commit)
-        self._traces = Traces(self._traced_round)
+        self._traces = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
         model.merge_projections()
         self.config = config
         self.max_lanes = max_lanes
@@ -84,6 +85,7 @@ class Lfm2Target:
         self.kv = {i: KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for i in cfg.attention_layers}
         self.conv = {i: ConvPool(max_lanes, cfg.conv_kernel - 1, cfg.hidden_size, self.dtype) for i in cfg.conv_layers}
         self.slots = SlotAllocator(max_lanes, list(self.kv.values()), "target")
+        self._segment_convs = [[i for i in model.segment_layers(j) if i in self.conv] for j in range(len(cfg.attention_layers) + 1)]
         # Materialise the pools now: an array built lazily on one thread cannot be
         # evaluated on another, and the engine thread may not be this one.
         mx.eval(self.state_arrays())
@@ -147,11 +149,8 @@ class Lfm2Target:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
-        widths_sorted, offsets_sorted = [widths[i] for i in order], [offsets[i] for i in order]
         slots = [lanes[i].slot for i in order]
-        compile_round = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
-        span = traced_key_span(offsets_sorted, widths[0], key_bucket) if compile_round else None
-        layout = RaggedLayout(widths_sorted, offsets_sorted, key_bucket, span=span)
+        layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order], key_bucket)
         for pool in self.kv.values():
             pool.reserve(layout.span)
         if lazy:
@@ -159,79 +158,91 @@ class Lfm2Target:
             packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
-        last_only = logits == "last"
-        state = [a for pool in self.kv.values() for a in (pool.keys, pool.values)] + [pool.state for pool in self.conv.values()]
-        if compile_round:
-            contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-            spec = RoundSpec(tuple(widths_sorted), layout.span, tuple(slots) if contiguous else None, tuple(order), taps, last_only)
-            slot_ids = [] if contiguous else [layout.slot_ids(slots)]
-            outputs = self._traces(spec)(packed, layout.offsets_array, *slot_ids, *state)
-        else:
-            outputs = self._round(layout, slots, order, taps, last_only, packed, state)
-        out_logits, out_taps, kv_state, windows, conv_after = self._unflatten(outputs, bool(taps))
-        for pool, (keys, values) in zip(self.kv.values(), kv_state):
-            pool.keys, pool.values = keys, values
-        conv_kept = dict(zip(self.conv, conv_after))
+        compiled = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
+        h, tapped, windows, conv_kept = self._layers(packed, layout, slots, taps, compiled)
+        if order != sorted(order):  # back to the caller's lane order
+            sorted_starts = dict(zip(order, layout.row_starts))
+            caller_rows = mx.array([sorted_starts[i] + r for i in range(len(lanes)) for r in range(widths[i])], dtype=mx.int32)
+            h = h[caller_rows]
+            tapped = [t[caller_rows] for t in tapped]
         row_starts, position = [], 0
         for w in widths:
             row_starts.append(position)
             position += w
+        if logits == "last":
+            h = h[mx.array([s + w - 1 for s, w in zip(row_starts, widths)], dtype=mx.int32)]
+        out_taps = mx.concatenate(tapped, axis=-1) if tapped else None
         record = RoundRecord([lanes[i] for i in order], order, layout, windows, conv_kept, self._conv_version)
-        return RoundOutput(out_logits, out_taps, row_starts, widths, record)
+        return RoundOutput(self.model.head(h), out_taps, row_starts, widths, record)
 
-    def _traced_round(self, spec: RoundSpec):
-        """`_round` for one spec, as a function of arrays only (what `mx.compile` traces)."""
+    def _layers(self, packed: mx.array, layout: RaggedLayout, slots: list[int], taps: tuple[int, ...], compiled: bool):
+        """Every layer over the round's packed rows (slot order), segment by segment with
+        the attention cores between them -> residual rows, tap residuals, conv windows,
+        conv pools with the row kept (one-row rounds)."""
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        slot_ids = [] if contiguous else [layout.slot_ids(slots)]
+        h, attended, tapped, windows, conv_kept = packed, None, [], {}, {}
+        for j, convs in enumerate(self._segment_convs):
+            args = [h, *([attended] if j else []), layout.offsets_array, *slot_ids, *(self.conv[i].state for i in convs)]
+            if compiled:
+                spec = SegmentSpec(j, tuple(layout.widths), tuple(slots) if contiguous else None, taps)
+                outputs = self._traces(spec)(*args)
+            else:
+                outputs = self._segment_arrays(j, layout, slots, taps, *args)
+            h, qkv, seg_tapped, seg_windows, seg_kept = self._unflatten(j, outputs, taps, layout.width == 1)
+            tapped += seg_tapped
+            windows.update(seg_windows)
+            conv_kept.update(seg_kept)
+            if qkv is not None:
+                i = self.config.attention_layers[j]
+                attended = self.model.layers[i].self_attn.core(*qkv, layout, slots, self.kv[i])
+        return h, tapped, windows, conv_kept
 
-        def round_fn(packed, offsets, *arrays):
-            layout = RaggedLayout(list(spec.widths), None, offsets_array=offsets, span=spec.span)
-            slots = list(spec.slots) if spec.slots is not None else arrays[0]
-            state = arrays if spec.slots is not None else arrays[1:]
-            return self._round(layout, slots, list(spec.order), spec.taps, spec.last_only, packed, state)
+    def _traced_segment(self, spec: SegmentSpec):
+        """`_segment_arrays` for one spec, as a function of arrays only (what `mx.compile` traces)."""
 
-        return round_fn
+        def segment_fn(*args):
+            offsets = args[2 if spec.segment else 1]
+            layout = RaggedLayout(list(spec.widths), None, offsets_array=offsets)
+            slots = list(spec.slots) if spec.slots is not None else args[3 if spec.segment else 2]
+            return self._segment_arrays(spec.segment, layout, slots, spec.taps, *args)
 
-    def _round(self, layout: RaggedLayout, slots, order: list[int], taps: tuple[int, ...], last_only: bool,
-               packed: mx.array, state: list[mx.array]) -> list[mx.array]:
-        """A round as a function of arrays (eager or traced): packed tokens (slot order)
-        and the cache arrays in; logits and taps (caller order), the cache arrays after
-        the round's KV writes, each conv layer's window and, for one-row rounds, each conv
-        pool once the rows are kept, out (flat, see `_unflatten`)."""
-        kv_arrays = state[: 2 * len(self.kv)]
-        kv = {i: pool.holding(*kv_arrays[2 * j : 2 * j + 2]) for j, (i, pool) in enumerate(self.kv.items())}
-        conv = {i: pool.holding(s) for (i, pool), s in zip(self.conv.items(), state[2 * len(self.kv) :])}
-        h, tapped, windows = self.model.ragged(packed, layout, slots, kv, conv, taps)
-        widths = [0] * len(order)
-        for i, w in zip(order, layout.widths):
-            widths[i] = w
-        if order != sorted(order):  # back to the caller's lane order
-            sorted_starts = dict(zip(order, layout.row_starts))
-            caller_rows = mx.array([sorted_starts[i] + j for i in range(len(order)) for j in range(widths[i])], dtype=mx.int32)
-            h = h[caller_rows]
-            tapped = [t[caller_rows] for t in tapped]
-        if last_only:
-            ends = [sum(widths[: i + 1]) - 1 for i in range(len(widths))]
-            h = h[mx.array(ends, dtype=mx.int32)]
-        outputs = [self.model.head(h)]
-        if tapped:
-            outputs.append(mx.concatenate(tapped, axis=-1))
-        outputs += [a for pool in kv.values() for a in (pool.keys, pool.values)]
-        outputs += [windows[i] for i in self.conv]
+        return segment_fn
+
+    def _segment_arrays(self, j: int, layout: RaggedLayout, slots, taps: tuple[int, ...], *args: mx.array) -> list[mx.array]:
+        """Segment j of a round (see Lfm2Model.segment) as a function of arrays, eager or
+        traced. In: the packed tokens (j = 0) or residual rows, core j-1's output (j > 0),
+        the offsets, the slot ids (non-contiguous slots), the segment's conv pools. Out
+        (flat, see `_unflatten`): residual rows, q, k, v for core j, the tap residuals,
+        the conv windows and, for one-row rounds, the conv pools with the row kept."""
+        x, attended = args[0], (args[1] if j else None)
+        convs = self._segment_convs[j]
+        states = args[len(args) - len(convs) :]
+        conv = {i: self.conv[i].holding(state) for i, state in zip(convs, states)}
+        h = self.model.embed_tokens(x) if j == 0 else x
+        h, qkv, tapped, windows = self.model.segment(j, h, attended, layout, slots, conv, taps)
+        outputs = [h, *(qkv or ()), *tapped, *(windows[i] for i in convs)]
         if layout.width == 1:
             span = self.config.conv_kernel - 1
-            for i, pool in conv.items():
-                pool.write(slots, layout, windows[i][:, -span:])
-            outputs += [pool.state for pool in conv.values()]
+            for i in convs:
+                conv[i].write(slots, layout, windows[i][:, -span:])
+                outputs.append(conv[i].state)
         return outputs
 
-    def _unflatten(self, outputs: list[mx.array], tapped: bool):
-        """`_round`'s flat outputs -> logits, taps, KV pairs, conv windows, conv pools after."""
+    def _unflatten(self, j: int, outputs: list[mx.array], taps: tuple[int, ...], one_row: bool):
+        """`_segment_arrays`' flat outputs -> residual rows, (q, k, v) or None, tap
+        residuals, conv windows, conv pools with the row kept."""
         outputs = list(outputs)
-        logits = outputs.pop(0)
-        taps = outputs.pop(0) if tapped else None
-        kv = [(outputs[2 * j], outputs[2 * j + 1]) for j in range(len(self.kv))]
-        outputs = outputs[2 * len(self.kv) :]
-        windows = dict(zip(self.conv, outputs[: len(self.conv)]))
-        return logits, taps, kv, windows, outputs[len(self.conv) :]
+        h = outputs.pop(0)
+        qkv = None
+        if j < len(self.config.attention_layers):
+            qkv, outputs = tuple(outputs[:3]), outputs[3:]
+        tapped_count = sum(1 for i in self.model.segment_layers(j) if i in taps)
+        tapped, outputs = outputs[:tapped_count], outputs[tapped_count:]
+        convs = self._segment_convs[j]
+        windows = dict(zip(convs, outputs[: len(convs)]))
+        kept = dict(zip(convs, outputs[len(convs) :])) if one_row else {}
+        return h, qkv, tapped, windows, kept
 
     def commit(self, output: RoundOutput, kept: list[int]) -> None:
         """Keep the first `kept[i]` rows of lane i (caller order); drop the rest."""
