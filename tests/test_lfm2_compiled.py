@@ -15,24 +15,13 @@ from families.lfm2 import Lfm2Target, load_model
 from families.lfm2.cache import RaggedLayout
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
+from tests.test_lfm2_rounds import lane_state
 
 TAPS = (1, 3)
 
 
 def tokens(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(15, 500, n)]
-
-
-def lane_state(target, lane) -> dict[str, np.ndarray]:
-    """The committed part of a lane's caches."""
-    state = {}
-    committed = RaggedLayout([1], [lane.length - 1])
-    for i, pool in target.kv.items():
-        keys, values = pool.read([lane.slot], committed)
-        state[f"k{i}"], state[f"v{i}"] = np.array(keys), np.array(values)
-    for i, pool in target.conv.items():
-        state[f"conv{i}"] = np.array(pool.read([lane.slot], committed))
-    return state
 
 
 @pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
