@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from families.lfm2 import Lfm2Target, load_model
-from families.lfm2.cache import RaggedLayout
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from tests.test_lfm2_rounds import lane_state
