@@ -24,10 +24,10 @@ class LookupConfig:
 class LookupProposal:
     tokens: mx.array
     confidences: mx.array
-    logits: mx.array
+    logits: mx.array | None  # None when the lane core asks for no chain logits
 
     def arrays(self) -> list[mx.array]:
-        return [self.tokens, self.confidences, self.logits]
+        return [self.tokens, self.confidences] + ([self.logits] if self.logits is not None else [])
 
 
 class PromptLookupDrafter:
@@ -51,7 +51,7 @@ class PromptLookupDrafter:
         del self._history[lane.slot]
         self._free.append(lane.slot)
 
-    def append(self, lanes, taps, tokens) -> None:
+    def append(self, lanes, taps, tokens, bucket_rows=False) -> None:  # no arrays, so nothing to pad
         for lane, ids in zip(lanes, tokens):
             self._history[lane.slot] += ids
             lane.length += len(ids)
@@ -62,10 +62,13 @@ class PromptLookupDrafter:
     def kv_bytes(self) -> int:
         return 0
 
+    def kv_bytes_in_use(self) -> int:
+        return 0
+
     def validate(self, proposal) -> list[None]:
         return [None] * proposal.tokens.shape[0]
 
-    def propose(self, lanes, anchors, width=None, pick=None) -> LookupProposal:
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True) -> LookupProposal:
         g = width or self.width
         tokens, confidences = [], []
         for lane, anchor in zip(lanes, anchors):
@@ -73,7 +76,7 @@ class PromptLookupDrafter:
             tokens.append(found + [0] * (g - len(found)))
             confidences.append([1.0] * len(found) + [0.0] * (g - len(found)))
         tokens_arr = mx.array(tokens, dtype=mx.int32)
-        peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0)
+        peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0) if chain_logits else None
         return LookupProposal(tokens_arr, mx.array(confidences, dtype=mx.float32), peaked)
 
     def lookup(self, sequence: list[int], g: int) -> list[int]:
