@@ -40,9 +40,11 @@ def rehearsal(runner: RoundRunner):
 
 def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
     """Where shapes are kept steady, run once every shape a round can take for up to
-    `max_lanes` lanes (plain and bucketed verify widths, proposals, bucketed context
-    appends). Then seed the cost table: target forwards of L lanes x w rows and drafter
-    proposals for L lanes, at a short context, best of `repeats`."""
+    `max_lanes` lanes (plain and bucketed verify widths with and without taps, lanes on
+    the first slots and on others, greedy and sampled proposals, bucketed context
+    appends): each is a plan or a compiled trace the backend builds on first use. Then
+    seed the cost table: target forwards of L lanes x w rows and drafter proposals for L
+    lanes, at a short context, best of `repeats`."""
     target, drafter = runner.target, runner.drafter
     counts = sorted({1, min(4, max_lanes), max_lanes})
     widths = [1]
@@ -61,15 +63,27 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
         drafter.append(drafter_slots, rows, [prompt] * len(slots))
     mx.eval(out.logits, *target.state_arrays(), *(drafter.state_arrays() if drafter else []))
 
-    def forward_only(lanes: int, width: int) -> list[mx.array]:
+    verify_taps = runner.taps(drafter is not None)
+
+    def forward_only(lanes: int, width: int, taps=verify_taps, first: int = 0) -> list[mx.array]:
         # Shaped as the round that would run it and never committed: the rows it writes
         # past each lane's length are not counted and will be overwritten.
         key_bucket = KEY_BUCKET if width > 1 else runner.plain_key_bucket(lanes)
-        forward = target.forward(slots[:lanes], [[1] * width] * lanes, key_bucket=key_bucket)
+        forward = target.forward(slots[first : first + lanes], [[1] * width] * lanes, key_bucket=key_bucket, taps=taps)
         return [forward.logits, *target.state_arrays()]
 
-    def propose(lanes: int) -> list[mx.array]:
-        return drafter.propose(drafter_slots[:lanes], [1] * lanes, runner.proposals).arrays()
+    def propose(lanes: int, pick=None) -> list[mx.array]:
+        return drafter.propose(drafter_slots[:lanes], [1] * lanes, runner.proposals, pick, chain_logits=False).arrays()
+
+    def variants(lanes: int, width: int):
+        """The (taps, first slot) of every round of `lanes` x `width` the engine can run:
+        plain rounds tap only when a lane drafts; lanes on slots 0..N-1 and on any other
+        slots are different compiled rounds."""
+        taps = [verify_taps] if width > 1 or not verify_taps else [(), verify_taps]
+        firsts = [0, 1] if lanes < max_lanes else [0]
+        return [(t, f) for t in taps for f in firsts]
+
+    sampled = lambda logits, k: mx.argmax(logits, axis=-1)  # a pick: the chain as sampling lanes run it
 
     def seconds(build) -> float:
         best = float("inf")
@@ -82,9 +96,11 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
     try:
         for lanes in range(1, max_lanes + 1) if runner.steady_shapes else ():
             for width in widths:
-                mx.eval(forward_only(lanes, width))
+                for taps, first in variants(lanes, width):
+                    mx.eval(forward_only(lanes, width, taps, first))
             if drafter is not None:
                 mx.eval(propose(lanes))
+                mx.eval(propose(lanes, sampled))
         for lanes in counts:
             for width in widths:
                 runner.costs.seed(lanes * width, lanes, context, seconds(lambda: forward_only(lanes, width)))

@@ -53,7 +53,7 @@ class SegmentSpec:
 
     segment: int  # between attention cores segment-1 and segment (see Lfm2Model.segment)
     widths: tuple[int, ...]  # rows per lane, slot order
-    slots: tuple[int, ...] | None  # contiguous slots (read as views), else None: slot ids come as an array
+    slots: tuple[int, ...] | None  # slots 0..N-1 (read as views), else None: slot ids come as an array
     taps: tuple[int, ...]
 
 
@@ -179,7 +179,9 @@ class Lfm2Target:
         """Every layer over the round's packed rows (slot order), segment by segment with
         the attention cores between them -> residual rows, tap residuals, conv windows,
         conv pools with the row kept (one-row rounds)."""
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        # Slots 0..N-1 are read as views; any other set by ids (an array). Lanes come and
+        # go, so a view of slots s..s+N-1 would be a trace per s: only s = 0 gets one.
+        contiguous = slots == list(range(len(slots)))
         slot_ids = [] if contiguous else [layout.slot_ids(slots)]
         h, attended, tapped, windows, conv_kept = packed, None, [], {}, {}
         for j, convs in enumerate(self._segment_convs):
