@@ -74,7 +74,7 @@ class Lfm2Target:
         self.model = model
         self.compiled = compiled
         self._conv_version = 0  # counts changes to the conv pools (see commit)
-        self._traces = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
+        self._traces = Traces(self._traced_segment, limit=4096)  # segments x lane counts x widths x taps x slot views
         model.merge_projections()
         self.config = config
         self.max_lanes = max_lanes
