@@ -13,6 +13,7 @@ import json
 import lzma
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -22,7 +23,7 @@ from families.lfm2.bpe import BOS, EOS_TEXT, IM_END, IM_START, MASK
 from families.lfm2.drafter import DSparkDrafter, load_drafter
 from families.lfm2.loader import load_model
 from families.lfm2.tokenizer import ChatTokenizer
-from families.lfm2.train import corpus, drafter, loop, target
+from families.lfm2.train import confidence, corpus, drafter, generate, loop, target
 from families.lfm2.train.__main__ import main
 
 ADJECTIVES = ["quick", "lazy", "bright", "silent", "ancient", "curious", "gentle", "bitter"]
@@ -304,3 +305,52 @@ def test_generated_rows_are_the_targets_greedy_continuations(target_run, data_di
     run = ["drafter", "--shape", "tiny", "--target", str(target_run / "model"), "--data", str(out), "--out", str(tmp_path / "d"),
            "--steps", "3", "--anchors", "2", "--batch", "4", "--eval-windows", "4", "--warmup", "1"]
     assert main(run) == 0 and (tmp_path / "d" / "model" / "model.safetensors").exists()
+
+
+def test_even_sources_draw_every_plain_source_alike(tmp_path):
+    # Sources of very different sizes, each in its own range of token ids; the chat one is left out.
+    sizes = {"big": 5000, "big/chat": 300, "small": 200, "tiny": 120}
+    tokens = np.concatenate([100 * i + np.arange(n) % 50 for i, n in enumerate(sizes.values())]).astype(np.uint16)
+    (tmp_path / "corpus.json").write_text(json.dumps({"parts": {"train": {"sources": {k: {"tokens": n} for k, n in sizes.items()}}}}))
+    spans = generate.source_spans(tmp_path, "train", length=16)
+    assert spans == [(0, 5000), (5300, 5500), (5500, 5620)]
+    prompts = generate.Prompts(tokens, header=[999], length=16, chat_share=0.5, spans=spans)  # no reply starts: no chats
+    windows = prompts.draw(np.random.default_rng(0), 600)
+    source = windows // 100
+    assert windows.shape == (600, 16) and (source == source[:, :1]).all()  # each window inside one source
+    counts = np.bincount(source[:, 0], minlength=4)
+    assert counts[1] == 0 and all(150 < c < 250 for c in counts[[0, 2, 3]]), counts
+
+
+# --- the confidence refit ---------------------------------------------------------------
+
+
+def test_refit_learns_which_drafts_survive():
+    features = mx.random.normal((400, 5), key=mx.random.key(0))
+    survived = (features[:, 0] > 0).astype(mx.float32)
+    head = nn.Linear(5, 1)
+    head.weight, head.bias = mx.zeros((1, 5)), mx.zeros((1,))
+    confidence.refit(head, features, survived, steps=300, lr=0.05)
+    c = mx.sigmoid(head(features).squeeze(-1))
+    assert (c * survived).sum().item() / survived.sum().item() > 0.8
+    assert (c * (1 - survived)).sum().item() / (1 - survived).sum().item() < 0.2
+
+
+def test_confidence_step_refits_the_head_alone(drafter_run, target_run, data_dir, tmp_path):
+    gen = tmp_path / "gen"
+    args = ["generate", "--target", str(target_run / "model"), "--data", str(data_dir), "--out", str(gen), "--sequences", "32",
+            "--eval-sequences", "8", "--batch", "16", "--prompt-tokens", "16", "--new-tokens", "16", "--temperatures", "0",
+            "--dtype", "float32", "--even-sources"]
+    assert main(args) == 0 and json.loads((gen / "generated.json").read_text())["even_sources"]
+    out = tmp_path / "refit"
+    args = ["confidence", "--target", str(target_run / "model"), "--drafter", str(drafter_run / "model"), "--data", str(gen),
+            "--out", str(out), "--windows", "32", "--eval-windows", "8", "--anchors", "4", "--batch", "8", "--steps", "50"]
+    assert main(args) == 0
+    before, after = mx.load(str(drafter_run / "model" / "model.safetensors")), mx.load(str(out / "model.safetensors"))
+    assert sorted(before) == sorted(after)
+    changed = {name for name in before if not mx.array_equal(before[name], after[name]).item()}
+    assert changed == {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    refit = json.loads((out / "training.json").read_text())["confidence_refit"]
+    assert refit["label"] == "greedy survival" and set(refit["eval_after"]["per_row"]) <= {str(k) for k in range(4)}
+    target_model, target_cfg = load_model(target_run / "model", dtype="float32")
+    assert load_drafter(out, target_model, target_cfg, dtype="float32").config.block_size == 4

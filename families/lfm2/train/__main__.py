@@ -1,4 +1,4 @@
-"""`python -m families.lfm2.train tokenizer|corpus|target|generate|drafter ...` (see the package docstring)."""
+"""`python -m families.lfm2.train tokenizer|corpus|target|generate|drafter|confidence ...` (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import __doc__ as GUIDE
-from . import drafter, generate, target
+from . import confidence, drafter, generate, target
 from .corpus import tokenize_corpus
 from .tokenizer import DEFAULT_VOCAB, train_tokenizer
 
@@ -37,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
     target.add_parser(sub)
     generate.add_parser(sub)
     drafter.add_parser(sub)
+    confidence.add_parser(sub)
     return p
 
 

@@ -9,6 +9,11 @@ alternate over `--temperatures`, so the drafter sees both the loops of greedy de
 and the spread of sampling). The drafter trainer then anchors its blocks only in the
 generated part of each row, with the prompt as context.
 
+The other prompts lie anywhere in the part, so each source gets prompts in proportion
+to its tokens (the kernel documentation is 61% of the corpus), or with
+`--even-sources` evenly over the plain sources that corpus.json lists, as a user's
+prompts might be.
+
 Decoding runs through the serving target (`Lfm2Target`: slot caches, one forward per
 step for every row of a batch), so the text is exactly what serving would produce.
 """
@@ -41,21 +46,32 @@ def reply_starts(tokens: np.ndarray, header: list[int]) -> np.ndarray:
     return starts[match] + len(header)
 
 
+def source_spans(data: str | Path, part: str, length: int) -> list[tuple[int, int]]:
+    """[start, end) of each plain (not chat) source in a part's flat array, from the
+    corpus step's corpus.json (sources in array order), each long enough for a window."""
+    sources = json.loads((Path(data) / "corpus.json").read_text())["parts"][part]["sources"]
+    bounds = np.cumsum([0] + [s["tokens"] for s in sources.values()])
+    return [(int(a), int(b)) for name, a, b in zip(sources, bounds[:-1], bounds[1:]) if not name.endswith("/chat") and b - a > length]
+
+
 class Prompts:
     """Fixed-length prompt windows of one part: a `chat_share` of them end where a chat
-    reply begins, the rest lie anywhere."""
+    reply begins, the rest lie anywhere, or in `spans` (one drawn uniformly per window)."""
 
-    def __init__(self, tokens: np.ndarray, header: list[int], length: int, chat_share: float):
+    def __init__(self, tokens: np.ndarray, header: list[int], length: int, chat_share: float,
+                 spans: list[tuple[int, int]] | None = None):
         self.tokens, self.length, self.chat_share = tokens, length, chat_share
         ends = reply_starts(tokens, header)
         self.reply_starts = ends[ends >= length]
+        self.spans = spans or [(0, tokens.size)]
 
     def draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
         chats = rng.binomial(count, self.chat_share) if self.reply_starts.size else 0
         ends = rng.choice(self.reply_starts, size=chats)
         chat = [self.tokens[e - self.length : e].astype(np.int32) for e in ends]
-        plain = random_windows(self.tokens, rng, count - chats, self.length)
-        return np.concatenate([np.stack(chat), plain]) if chat else plain
+        per_span = np.bincount(rng.integers(0, len(self.spans), size=count - chats), minlength=len(self.spans))
+        plain = [random_windows(self.tokens[a:b], rng, n, self.length) for (a, b), n in zip(self.spans, per_span) if n]
+        return np.concatenate(([np.stack(chat)] if chat else []) + plain)
 
 
 def pick(logits: mx.array, temperature: float) -> mx.array:
@@ -86,9 +102,10 @@ def continue_prompts(target: Lfm2Target, prompts: np.ndarray, new_tokens: int, t
 
 def generate_part(target: Lfm2Target, prompts: Prompts, rng: np.random.Generator, sequences: int, batch: int,
                   new_tokens: int, temperatures: list[float], budget: Budget, name: str) -> np.ndarray:
-    """Up to `sequences` rows (fewer when the budget runs out), batch after batch."""
+    """Up to `sequences` rows (fewer when the budget runs out, but at least one batch),
+    batch after batch."""
     rows, started = [], time.perf_counter()
-    while sum(len(r) for r in rows) < sequences and not budget.spent():
+    while sum(len(r) for r in rows) < sequences and not (rows and budget.spent()):
         count = min(batch, sequences - sum(len(r) for r in rows))
         temperature = temperatures[len(rows) % len(temperatures)]
         rows.append(continue_prompts(target, prompts.draw(rng, count), new_tokens, temperature))
@@ -99,8 +116,8 @@ def generate_part(target: Lfm2Target, prompts: Prompts, rng: np.random.Generator
 
 
 def generate(target_dir: str | Path, data: str | Path, out: str | Path, sequences: int, eval_sequences: int, batch: int,
-             prompt_tokens: int, new_tokens: int, temperatures: list[float], chat_share: float, minutes: float,
-             dtype: str | None, seed: int) -> Path:
+             prompt_tokens: int, new_tokens: int, temperatures: list[float], chat_share: float, even_sources: bool,
+             minutes: float, dtype: str | None, seed: int) -> Path:
     """Write `train.npy` and `eval.npy` (rows of prompt + continuation) and generated.json."""
     budget = Budget(minutes)
     model, config = load_model(target_dir, dtype=dtype)
@@ -112,14 +129,16 @@ def generate(target_dir: str | Path, data: str | Path, out: str | Path, sequence
     out.mkdir(parents=True, exist_ok=True)
     dtype_np = token_dtype(config.vocab_size)
     settings = dict(batch=batch, new_tokens=new_tokens, temperatures=temperatures, budget=budget)
-    prompts = {part: Prompts(load_tokens(data, part), header, prompt_tokens, chat_share) for part in ("train", "eval")}
+    prompts = {part: Prompts(load_tokens(data, part), header, prompt_tokens, chat_share,
+                             source_spans(data, part, prompt_tokens) if even_sources else None) for part in ("train", "eval")}
     # The eval rows first: they are few, and a run cut short still leaves a usable set.
     held_out = generate_part(target, prompts["eval"], rng, eval_sequences, name="eval", **settings)
     train = generate_part(target, prompts["train"], rng, sequences, name="train", **settings)
     for part, rows in (("train", train), ("eval", held_out)):
         np.save(out / f"{part}.npy", rows.astype(dtype_np))
     meta = {"target": str(target_dir), "data": str(data), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-            "temperatures": temperatures, "chat_share": chat_share, "train_rows": len(train), "eval_rows": len(held_out)}
+            "temperatures": temperatures, "chat_share": chat_share, "even_sources": even_sources, "train_rows": len(train),
+            "eval_rows": len(held_out)}
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     log(f"generated {len(train)} train and {len(held_out)} eval rows of {prompt_tokens}+{new_tokens} tokens -> {out}")
     return out
@@ -137,9 +156,11 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated; batches alternate over them (0: greedy)")
     p.add_argument("--chat-share", type=float, default=0.5, help="share of prompts that end where a chat reply begins (default 0.5)")
+    p.add_argument("--even-sources", action="store_true",
+                   help="draw the other prompts evenly over the plain sources in DATA/corpus.json (default: by their tokens)")
     p.add_argument("--minutes", type=float, default=5.0, help="stop early and write what is done when spent")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="cast the target (default: as stored)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=lambda a: generate(
         a.target, a.data, a.out, a.sequences, a.eval_sequences, a.batch, a.prompt_tokens, a.new_tokens,
-        [float(t) for t in a.temperatures.split(",")], a.chat_share, a.minutes, a.dtype, a.seed))
+        [float(t) for t in a.temperatures.split(",")], a.chat_share, a.even_sources, a.minutes, a.dtype, a.seed))
