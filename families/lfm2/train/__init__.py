@@ -6,6 +6,8 @@ and its DSpark drafter, from the xz-compressed English corpus (MLX: Metal, CUDA 
     python -m families.lfm2.train target --tokenizer TOK --data DATA --out RUN/target
     python -m families.lfm2.train generate --target RUN/target/model --data DATA --out GEN
     python -m families.lfm2.train drafter --target RUN/target/model --data GEN --out RUN/drafter
+    python -m families.lfm2.train confidence --target RUN/target/model --drafter RUN/drafter/model \
+        --data GREEDY_GEN --out DRAFTER     # its confidence head refitted to greedy survival
 
 The trainers stop when their --minutes budget is spent, checkpoint every two minutes
 and at the end (OUT/checkpoint), and continue with --resume. The learning rate warms up
@@ -16,23 +18,25 @@ LiquidAI's DSpark format. `generate` has the trained target write the drafter's
 training text (the drafter also trains on DATA directly, but accepts fewer drafts).
 
 Sizes of the default (bfloat16 on disk): target 8.89M parameters, 17.8 MB; drafter
-1.97M, 3.9 MB; tokenizer 0.27 MB: 22.0 MB in all, under the 24 MB budget.
+3.74M, 7.5 MB; tokenizer 0.27 MB: 25.5 MB in all, under the 28 MB budget.
 
 On the GPU machine (one H200, 16 cores; about 9 minutes per command; measured there:
-tokenizing 13 s, target 1.05M tokens/s after an 11 s compile, generation 118K tokens/s,
-drafter 19 ms per step). Carry the corpus (12 MB of xz) and the tokenizer beside the
-repository and tokenize there: the token arrays (53 MB) are more than a transfer
-carries. Weights over 16 MiB do not come back from $OUT whole: split them.
+tokenizing 13 s, target 1.05M tokens/s after an 11 s compile, generation 103-118K
+tokens/s, the default drafter 32 ms per step of 64 rows x 64 anchors). Carry the
+corpus (12 MB of xz) and the tokenizer beside the repository and tokenize there: the
+token arrays (53 MB) are more than a transfer carries. Weights over 16 MiB do not come
+back from $OUT whole: split them.
 
     python -m families.lfm2.train tokenizer --corpus runs/corpus --out runs/tok   # on the CPU: 46 s
     # command 1 (about 8 minutes):
     python -m families.lfm2.train corpus --corpus runs/corpus --tokenizer runs/tok --out runs/data
     python -m families.lfm2.train target --tokenizer runs/tok --data runs/data --out runs/target \\
         --dtype bfloat16 --minutes 6 --eval-every 1000 --eval-windows 128
-    python -m families.lfm2.train generate --target runs/target/model --data runs/data --out runs/gen --minutes 1.5
-    # command 2 (about 6.5 minutes):
+    # command 2 (about 7 minutes; the shipped drafter's, in MODEL_CARD.md, ran corpus + these in 6.3):
+    python -m families.lfm2.train generate --target runs/target/model --data runs/data --out runs/gen \\
+        --dtype float32 --prompt-tokens 64 --new-tokens 192 --chat-share 0.3 --even-sources --minutes 1.3
     python -m families.lfm2.train drafter --target runs/target/model --data runs/gen --out runs/drafter \\
-        --dtype bfloat16 --minutes 6 --eval-every 5000
+        --dtype bfloat16 --batch 64 --lr 1.5e-3 --minutes 5 --eval-every 2000
 
 On a CPU, the whole pipeline at tiny scale (a couple of minutes):
 
@@ -48,5 +52,5 @@ On a CPU, the whole pipeline at tiny scale (a couple of minutes):
 Modules: corpus.py (sources, split, documents, tokenization), tokenizer.py (BPE),
 loop.py (schedule, mixed precision, compiled step, checkpoints, budgeted loop),
 target.py and drafter.py (the two trainers and their exports), generate.py (the
-drafter's text, written by the target).
+drafter's text, written by the target), confidence.py (the confidence head's refit).
 """

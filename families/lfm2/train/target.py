@@ -3,8 +3,8 @@ LFM2 directory that `load_model`, `laneserve generate --model DIR` and transform
 
 The model is the serving model itself (`Lfm2Model`), built from the config.json that
 the export writes, so what trains is exactly what loads. The default shape (8.9M
-parameters, 17.8 MB in bfloat16) leaves room in the 24 MB budget of the embedded default
-for its drafter (3.9 MB) and tokenizer (0.3 MB):
+parameters, 17.8 MB in bfloat16) leaves room in the 28 MB budget of the embedded default
+for its drafter (7.5 MB) and tokenizer (0.3 MB):
 
     vocab 4096 | hidden 256 | 10 layers, attention at 2, 5, 8 (LFM2's early pattern),
     the rest gated short convs | 4 heads of 64, 2 KV heads | SwiGLU width 704
