@@ -1,10 +1,11 @@
 """The embedded default: does its trained drafter get accepted, and does drafting pay?
 
-    python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9]
+    python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled]
 
 On the held-out prompts of bench/default_prompts.json (chat questions on held-out
-dictionary and jargon entries, openings of held-out paragraphs), greedy, one stream at
-a time:
+dictionary and jargon entries, openings of held-out paragraphs), greedy (or, with
+`--sampled`, at the checkpoint's generation_config.json sampling defaults with seed
+1000 + the prompt's index), one stream at a time:
 
 - mean accepted drafts per drafted round at the trained verify width, for the DSpark
   drafter and for a prompt-lookup n-gram baseline measured the same way (same engine,
@@ -13,15 +14,18 @@ a time:
   (as `laneserve generate` runs it), plain and drafted alternated per prompt.
 
 Every drafted output is checked against the plain one. Writes default.json and
-default.md under --out.
+default.md (default-sampled.* with `--sampled`) under --out, each with its command.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,9 +33,11 @@ import mlx.core as mx
 from bench.prompt_lookup import PromptLookupDrafter
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
+from families.lfm2.config import generation_defaults
 from families.lfm2.drafter import load_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
+from lanes.sampling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "default_prompts.json"
 
@@ -42,9 +48,9 @@ def encode(tokenizer, prompt: dict) -> list[int]:
     return tokenizer.encode(prompt["text"])
 
 
-def timed(engine: Engine, prompt: list[int], max_tokens: int):
+def timed(engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams):
     started = time.perf_counter()
-    (done,) = engine.generate([Request(prompt, max_tokens)])
+    (done,) = engine.generate([Request(prompt, max_tokens, sampling=sampling)])
     return done, time.perf_counter() - started
 
 
@@ -67,22 +73,26 @@ def run(args) -> dict:
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
     }
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
+    defaults = generation_defaults(args.model) if args.sampled else {}
+    samplings = [SamplingParams(**defaults, seed=1000 + i if defaults else None) for i in range(len(prompts))]
     for e in engines.values():  # warm-up
         e.generate([Request(prompts[0], 8)])
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
     accepted = {name: [] for name in engines}
     exact = True
-    for prompt in prompts:
-        plain, _ = timed(engines["plain"], prompt, args.max_tokens)
+    for prompt, sampling in zip(prompts, samplings):
+        plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
         for name, e in engines.items():
-            done, spent = timed(e, prompt, args.max_tokens)
+            done, spent = timed(e, prompt, args.max_tokens, sampling)
             exact &= done.token_ids == plain.token_ids
             tokens[name] += len(done.token_ids)
             seconds[name] += spent
             accepted[name] += done.draft.accepted_per_round
-    result = {"device": str(mx.default_device()), "model": str(args.model), "drafter": str(args.drafter),
-              "prompts": len(prompts), "max_tokens": args.max_tokens, "width": width, "exact": exact, "engines": {}}
+    sampling = {k: v for k, v in asdict(samplings[0]).items() if k != "seed"}
+    result = {"command": "python -m bench.bench_default " + shlex.join(sys.argv[1:]), "device": str(mx.default_device()),
+              "model": str(args.model), "drafter": str(args.drafter), "prompts": len(prompts), "max_tokens": args.max_tokens,
+              "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "engines": {}}
     for name in engines:
         result["engines"][name] = {
             "tok_s": tokens[name] / seconds[name],
@@ -94,8 +104,11 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
+    sampling = result["sampling"] if result["sampling"] == "greedy" else "sampled at " + ", ".join(f"{k} {v:g}" for k, v in result["sampling"].items())
     lines = [
-        f"Device: {result['device']}; {result['prompts']} held-out prompts, greedy, up to {result['max_tokens']} tokens, "
+        f"    {result['command']}",
+        "",
+        f"Device: {result['device']}; {result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
         f"one stream; verify width {result['width']}; drafted outputs equal plain: {result['exact']}.",
         "",
         "| engine | tok/s | vs plain | accepted drafts per drafted round |",
@@ -114,12 +127,14 @@ def main() -> None:
     p.add_argument("--width", type=int, help="verify width (default: the drafter's trained block_size + 1)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
     args = p.parse_args()
     result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "default.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "default.md").write_text(markdown(result))
+    name = "default-sampled" if args.sampled else "default"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
 
 
