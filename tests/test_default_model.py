@@ -17,11 +17,12 @@ from lanes.lane import Request
 
 HELD_OUT = json.loads((Path(__file__).parents[1] / "bench" / "default_prompts.json").read_text())["prompts"]
 MAX_TOKENS = 32
+TRAINED_WIDTH = 9  # the drafter's block_size + 1
 
 
 def test_the_default_fits_its_budget():
     total = sum(f.stat().st_size for f in DEFAULT_DIR.rglob("*") if f.is_file())
-    assert total <= 24 * 1000 * 1000
+    assert total <= 28 * 1000 * 1000
 
 
 def test_the_shipped_tokenizer_round_trips():
@@ -60,13 +61,16 @@ def plain(prompts):
     return [engine(1, drafting=False).generate([Request(p, MAX_TOKENS)])[0].token_ids for p in prompts]
 
 
-@pytest.mark.parametrize("width", [2, 5, 9, None])
+@pytest.mark.parametrize("width", [2, 5, TRAINED_WIDTH, None])
 def test_the_shipped_drafter_is_exact(width, prompts, plain):
     solo = engine(1, width=width)
     drafted = [solo.generate([Request(p, MAX_TOKENS)])[0] for p in prompts]
     assert [d.token_ids for d in drafted] == plain
     if width is not None:  # priced windows draft only where the guards measured it paying
         assert sum(d.draft.accepted for d in drafted) > 0  # the trained drafter really is accepted
+    if width == TRAINED_WIDTH:  # these replies' openings are the hardest text to draft: 1.27 measured, the first drafter 0.73
+        rounds = [a for d in drafted for a in d.draft.accepted_per_round]
+        assert sum(rounds) / len(rounds) >= 1.0
     for lanes in (4, 16):
         shared = engine(lanes, width=width)
         requests = [Request(p, MAX_TOKENS, draft=i % 3 != 1) for i, p in enumerate((prompts * 2)[:lanes])]
