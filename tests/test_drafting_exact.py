@@ -178,6 +178,25 @@ def test_seeded_sampling_drafted_equals_plain(temperature, width, lanes, dense_d
     assert sum(d.draft.accepted for d in drafted) > 0
 
 
+@pytest.mark.parametrize("params", [
+    dict(repetition_penalty=1.2),  # greedy with a penalty
+    dict(temperature=0.3, min_p=0.05, repetition_penalty=1.2),  # the embedded default's settings
+])
+@pytest.mark.parametrize("width,lanes", [(3, 1), (9, 4), (None, 16)])
+def test_repetition_penalty_drafted_equals_plain(params, width, lanes, dense_dir, drafter_dir):
+    # A penalised row sees the lane's history and the drafts before it: every verify row
+    # must penalise exactly what the plain step at that position would.
+    prompts = [PROMPTS[i % len(PROMPTS)] + [30 + i] for i in range(lanes)]
+    request = lambda i, p: Request(p, MAX_TOKENS, SamplingParams(seed=50 + i, **params))
+    plain = engine_for(dense_dir, lanes=lanes).generate([request(i, p) for i, p in enumerate(prompts)])
+    drafter = engine_for(dense_dir, drafter_dir, [p + d.token_ids for p, d in zip(prompts, plain)], width, lanes=lanes)
+    if width is None:
+        price_without_timing(drafter)
+    drafted = drafter.generate([request(i, p) for i, p in enumerate(prompts)])
+    assert [d.token_ids for d in drafted] == [d.token_ids for d in plain]
+    assert sum(d.draft.accepted for d in drafted) > 0
+
+
 def test_coupled_proposals_are_accepted_and_exact(sampled_pair):
     """The real drafter proposes with the target's noise at each position: its sampled
     drafts are kept where it agrees with the target's own draw, and only there."""
