@@ -20,7 +20,7 @@ from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
-from .sampling import SamplingParams, apply_repetition_penalty, choose, row_keys
+from .sampling import apply_repetition_penalty, choose, row_keys
 from .verify import Window, verify
 
 log = logging.getLogger("laneserve.round")
