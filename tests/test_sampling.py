@@ -63,3 +63,45 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     assert tokens.tolist()[0] == 1
     same = choose(logits, [SamplingParams(), SamplingParams(temperature=1.0)], [0, noise_key(1, 1)])
     assert same.tolist() == tokens.tolist()  # a key reproduces its draw
+
+
+def test_the_repetition_penalty_matches_a_host_reference(dense_dir, tmp_path):
+    """Greedy with a penalty, served by the engine (plain and drafted rounds), against a
+    step-by-step loop that penalises every token of the sequence so far on the host."""
+    from families.lfm2 import open_target
+    from families.lfm2.drafter import load_drafter
+    from families.lfm2.tiny_drafter import make_tiny_drafter
+    from lanes.engine import Engine, EngineConfig
+    from lanes.lane import Request
+
+    penalty, steps = 1.3, 24
+    prompts = [[1, 40, 41, 42, 40, 41], [1, 300, 12, 12, 77]]
+    loaded = open_target(dense_dir, max_lanes=1)
+    references = []
+    for prompt in prompts:
+        lane = loaded.target.open_lane()
+        logits, _ = loaded.target.prefill(lane, prompt)
+        sequence, out = list(prompt), []
+        for _ in range(steps):
+            x = np.array(logits.astype(mx.float32))
+            seen = sorted(set(sequence))
+            x[seen] = np.where(x[seen] > 0, x[seen] / np.float32(penalty), x[seen] * np.float32(penalty))
+            token = int(x.argmax())
+            if token in loaded.eos_ids:
+                break
+            out.append(token)
+            sequence.append(token)
+            step = loaded.target.forward([lane], [[token]])
+            loaded.target.commit(step, [1])
+            logits = step.logits[0]
+        loaded.target.close_lane(lane)
+        references.append(out)
+
+    requests = lambda: [Request(p, steps, SamplingParams(repetition_penalty=penalty)) for p in prompts]
+    served = open_target(dense_dir, max_lanes=2)
+    plain = Engine(served.target, served.tokenizer, served.eos_ids, None, EngineConfig(max_streams=2)).generate(requests())
+    assert [d.token_ids for d in plain] == references
+    drafter_dir = make_tiny_drafter(tmp_path / "drafter", dense_dir, seed=8, block_size=5)
+    drafter = load_drafter(drafter_dir, served.target.model, served.target.config, max_lanes=2)
+    drafted = Engine(served.target, served.tokenizer, served.eos_ids, drafter, EngineConfig(max_streams=2, draft_width=6))
+    assert [d.token_ids for d in drafted.generate(requests())] == references
