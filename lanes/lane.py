@@ -171,10 +171,6 @@ class Lane:
     def context(self) -> int:
         return len(self.request.prompt) + len(self.generated)
 
-    def history(self) -> list[int]:
-        """Every token of the sequence so far (a copy: only repetition penalties need it)."""
-        return self.request.prompt + self.generated
-
     @property
     def remaining(self) -> int:
         """Tokens this lane may still emit."""

@@ -19,8 +19,9 @@ from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
+from .penalty import SeenTokens, mark, penalize
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
-from .sampling import apply_repetition_penalty, choose, row_keys
+from .sampling import choose, row_keys
 from .verify import Window, verify
 
 log = logging.getLogger("laneserve.round")
@@ -33,17 +34,6 @@ VERIFY_WIDTH_CEILING = 32
 # Verify rounds round their attention's key span up to a multiple of this (see the
 # target's RaggedLayout): steady shapes from round to round.
 KEY_BUCKET = 256
-
-
-def choose_next(logits: mx.array, lanes: list[Lane], ahead: int = 0) -> mx.array:
-    """Each lane's next token from its row of `logits` (lazy): the token at position
-    `lane.position + 1 + ahead`. Only lanes with a repetition penalty copy their history."""
-    params = [lane.request.sampling for lane in lanes]
-    if any(p.repetition_penalty != 1.0 for p in params):
-        histories = [lane.history() if p.repetition_penalty != 1.0 else [] for lane, p in zip(lanes, params)]
-        logits = apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
-    keys = [row_keys(lane.seed, p, lane.position + 1 + ahead, 1)[0] for lane, p in zip(lanes, params)]
-    return choose(logits, params, keys)
 
 
 def drafter_pick(lanes: list[Lane], width: int):
@@ -102,6 +92,7 @@ class RoundRunner:
         self.costs = costs or CostTable()
         self.clock = clock
         self.counters = RoundCounters()
+        self.seen = SeenTokens(target.vocab_size)
         # Pad varying row counts to buckets and key spans of several lanes to KEY_BUCKET:
         # by default where the backend plans per shape (the family knows which).
         self.steady_shapes = target.plans_per_shape() if steady_shapes is None else steady_shapes
@@ -144,7 +135,7 @@ class RoundRunner:
     def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[tuple[int, object]]:
         """Each lane's first generated token (and its logprob entry, None unless asked),
         from its prompt's last-row logits."""
-        tokens = choose_next(logits, lanes)
+        tokens = self._choose(logits, lanes)
         wanted = [lane.request.logprobs for lane in lanes]
         lp = logprob_arrays(logits, tokens, wanted)
         mx.eval(tokens, *lp)
@@ -223,9 +214,23 @@ class RoundRunner:
 
     @staticmethod
     def _pipelinable(lane: Lane) -> bool:
-        # One row ahead must stay within the lane's limits, and a repetition penalty
-        # needs the previous token on the host.
-        return lane.remaining > 1 and lane.request.sampling.repetition_penalty == 1.0
+        # One row ahead must stay within the lane's limits.
+        return lane.remaining > 1
+
+    def _choose(self, logits: mx.array, lanes: list[Lane], ahead: int = 0, previous: mx.array | None = None) -> mx.array:
+        """Each lane's next token from its row of `logits` (lazy): the token at position
+        `lane.position + 1 + ahead`. `previous`: the round before's choices, still on the
+        device and not yet in the lanes' histories (a pipelined round), which a
+        repetition penalty must count as seen."""
+        params = [lane.request.sampling for lane in lanes]
+        penalties = [p.repetition_penalty for p in params]
+        if any(p != 1.0 for p in penalties):
+            seen = self.seen.rows(lanes)
+            if previous is not None:
+                seen = mark(seen, mx.arange(len(lanes)), previous)
+            logits = penalize(logits, seen, penalties)
+        keys = [row_keys(lane.seed, p, lane.position + 1 + ahead, 1)[0] for lane, p in zip(lanes, params)]
+        return choose(logits, params, keys)
 
     def _dispatch(self, lanes: list[Lane], anchors, lag: int) -> PlainDispatch:
         """Build and launch a plain round; `anchors` are host ids, or (lag 1) the lazy
@@ -235,7 +240,7 @@ class RoundRunner:
         fed = anchors if lag else [[a] for a in anchors]
         out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self.taps(want_taps),
                                   key_bucket=self.plain_key_bucket(len(lanes)))
-        tokens = choose_next(out.logits, lanes, ahead=lag)
+        tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)
         logprobs = logprob_arrays(out.logits, tokens, [lane.request.logprobs for lane in lanes])
         self.target.commit(out, [1] * len(lanes))
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
@@ -351,9 +356,7 @@ class RoundRunner:
         windows = []
         for lane in lanes:
             row, depth = depth_of.get(id(lane), ([], 0))
-            penalised = lane.request.sampling.repetition_penalty != 1.0
-            windows.append(Window(lane.request.sampling, lane.seed, lane.position, lane.history() if penalised else [],
-                                  row[:depth], lane.request.logprobs))
+            windows.append(Window(lane.request.sampling, lane.seed, lane.position, row[:depth], lane.request.logprobs))
         return windows
 
     def _verify(self, lanes: list[Lane], windows: list[Window]):
@@ -372,7 +375,20 @@ class RoundRunner:
             taps=self.drafter.tap_layers,
             key_bucket=KEY_BUCKET,
         )
-        return out, verify(out.logits, out.row_starts, windows)
+        return out, verify(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out))
+
+    def _seen_rows(self, lanes: list[Lane], windows: list[Window], out) -> mx.array | None:
+        """What each verify row has seen, for repetition penalties (None without one): the
+        lane's tokens, and the drafts before the row."""
+        if all(w.params.repetition_penalty == 1.0 for w in windows):
+            return None
+        rows, tokens = [], []
+        for start, w in zip(out.row_starts, windows):
+            for k in range(1, w.rows):
+                rows += [start + k] * k
+                tokens += w.drafts[:k]
+        seen = self.seen.rows(lanes, out.widths)
+        return mark(seen, rows, tokens) if rows else seen
 
     def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], confidences: list[list[float]],
                 out, outcomes) -> tuple[list, list[int], list[int]]:

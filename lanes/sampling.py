@@ -111,27 +111,6 @@ def gumbel_noise_reference(key: int, vocab: int) -> np.ndarray:
 # ---- filtering and drawing -----------------------------------------------------------
 
 
-def apply_repetition_penalty(logits: mx.array, histories: list[list[int]], penalties: list[float]) -> mx.array:
-    """CTRL-style penalty: a seen token's logit is divided by the penalty when positive and
-    multiplied when negative. Row r penalises the tokens in `histories[r]`. Returns new
-    logits; the given ones are left as they are."""
-    rows, cols = [], []
-    factors = []
-    for r, (seen, penalty) in enumerate(zip(histories, penalties)):
-        if penalty == 1.0 or not seen:
-            continue
-        unique = sorted(set(seen))
-        rows += [r] * len(unique)
-        cols += unique
-        factors += [penalty] * len(unique)
-    if not rows:
-        return logits
-    rows_a, cols_a = mx.array(rows), mx.array(cols)
-    factor = mx.array(factors, dtype=logits.dtype)
-    scale = mx.where(logits[rows_a, cols_a] > 0, 1 / factor, factor)
-    return logits.at[rows_a, cols_a].multiply(scale)  # a new array: the raw logits stay as they were
-
-
 def filtered_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.array:
     """[R, V] logits -> [R, V] log-probabilities after temperature, top-k, top-p and min-p
     (filtered tokens at -inf). Row r uses `params[r]`; greedy rows come back at T=1."""

@@ -15,7 +15,8 @@ import mlx.core as mx
 
 from .acceptance import greedy_accept_length
 from .logprobs import TokenLogprob, logprob_arrays, read_logprobs
-from .sampling import SamplingParams, apply_repetition_penalty, choose, row_keys
+from .penalty import penalize
+from .sampling import SamplingParams, choose, row_keys
 
 PADDING = SamplingParams()  # rows past a window: chosen greedily, never read
 
@@ -27,16 +28,12 @@ class Window:
     params: SamplingParams
     seed: int
     position: int  # absolute position of the anchor
-    history: list[int]  # prompt + generated, for the repetition penalty (empty when unused)
     drafts: list[int]
     logprobs: int | None = None  # top alternatives wanted per emitted token (None: no logprobs)
 
     @property
     def rows(self) -> int:
         return 1 + len(self.drafts)
-
-    def row_histories(self) -> list[list[int]]:
-        return [self.history + self.drafts[:k] for k in range(self.rows)]
 
     def keys(self) -> list[int]:
         """Noise keys of the tokens each row decides (row k decides position + 1 + k)."""
@@ -50,21 +47,17 @@ class Outcome:
     logprobs: list[TokenLogprob] | None = None
 
 
-def verify(logits: mx.array, row_starts: list[int], windows: list[Window]) -> list[Outcome]:
+def verify(logits: mx.array, row_starts: list[int], windows: list[Window], seen: mx.array | None = None) -> list[Outcome]:
     """Accept each lane's drafts from the target's `logits` [rows, V] (lane i's rows begin
     at `row_starts[i]`). Choices are made for every row, padding rows too (as greedy
-    rows), so the round's shapes stay steady; padding rows are never read."""
+    rows), so the round's shapes stay steady; padding rows are never read. `seen` [rows,
+    V] marks what each row has seen, where a lane has a repetition penalty."""
     total = logits.shape[0]
     params, keys, wanted = [PADDING] * total, [0] * total, [None] * total
-    histories: list[list[int]] = [[] for _ in range(total)]
     for start, w in zip(row_starts, windows):
         span = slice(start, start + w.rows)
         params[span], keys[span], wanted[span] = [w.params] * w.rows, w.keys(), [w.logprobs] * w.rows
-        if w.params.repetition_penalty != 1.0:
-            histories[span] = w.row_histories()
-    target = logits
-    if any(p.repetition_penalty != 1.0 for p in params):
-        target = apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
+    target = logits if seen is None else penalize(logits, seen, [p.repetition_penalty for p in params])
     choices = choose(target, params, keys)
     lp = logprob_arrays(logits, choices, wanted)
     mx.eval(choices, *lp)
