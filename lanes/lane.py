@@ -151,9 +151,6 @@ class Lane:
         # Committed rows not yet in the drafter's context: their taps and token ids.
         self.pending_taps: list = []
         self.pending_tokens: list[int] = []
-        # The drafter's raw confidences from this lane's last drafted round: they price
-        # its next verify window, which is decided before that round's proposal is read.
-        self.confidences: list[float] | None = None
         self._detokenizer = detokenizer
         self._stops = StopMatcher(request.stop)
 

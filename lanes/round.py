@@ -174,11 +174,9 @@ class RoundRunner:
             self.guard.record(decision, report.seconds, report.emitted)
             if decision.probe:
                 report.kind = "probe"
-        # A drafted round's drafter seconds are the profile's estimate (it is not timed
-        # apart), so the table learns the verify forward's cost alone from live rounds.
-        target_seconds = report.seconds - report.draft_seconds
-        if target_seconds > 0:
-            self.costs.observe(report.rows, report.lanes, context, target_seconds)
+        self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
+        if report.drafting_lanes:
+            self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
         self.counters.record(report)
         log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d",
                   report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
@@ -298,61 +296,50 @@ class RoundRunner:
         mx.async_eval(self.drafter.state_arrays())
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
-        """Draft, price, verify, commit: the phases of a drafted round, with one host sync.
-
-        The proposal flows into the verify forward on the device and acceptance is
-        computed there, so the host reads drafts, confidences and verdicts once, after
-        both forwards. Windows are therefore priced before this round's confidences are
-        read: from the lane's previous drafted round's (`Lane.confidences`)."""
-        proposal = self._draft(drafting)
-        context = max(lane.context for lane in lanes)
-        draft_seconds = self._draft_estimate(len(drafting), context)
-        windows = self._windows(lanes, drafting, self._price(lanes, drafting, draft_seconds, context))
-        out, fed, verdict = self._verify(lanes, drafting, windows, proposal)
-        mx.eval(*proposal.arrays(), *verdict.arrays())  # the round's one host sync
-        problems = self._problems(drafting, proposal)
-        refused = [problems.get(id(lane)) is not None for lane in lanes]
-        outcomes = verdict.outcomes(windows, refused)
-        confidences = self._confidences(drafting, proposal)
-        events, proposed_at, accepted_at = self._commit(lanes, windows, refused, confidences, out, outcomes)
+        """Draft, price, verify, commit: the phases of a drafted round, in order."""
+        drafts, confidences, problems = self._draft(drafting)
+        draft_seconds = self.clock() - started
+        depths = self._price(lanes, drafting, confidences, problems, draft_seconds)
+        windows = self._windows(lanes, drafting, drafts, depths)
+        out, outcomes = self._verify(lanes, windows)
+        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, confidences, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
                              draft_seconds, proposed_at, accepted_at)
         return events, report
 
-    def _draft(self, drafting: list[Lane]):
+    def _draft(self, drafting: list[Lane]) -> tuple[list[list[int]], list[list[float]], list]:
         """Bring the drafting lanes' contexts up to date and propose for all of them in one
-        batched forward (lazy)."""
+        batched forward: each lane's drafts, raw confidences, and problem (None if sound)."""
         self._fold_pending(drafting)
         g = self.proposals
         # Verification compares tokens only: the chain's float32 logits are never read.
-        return self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
-                                    drafter_pick(drafting, g), chain_logits=False)
+        proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
+                                        drafter_pick(drafting, g), chain_logits=False)
+        mx.eval(proposal.arrays())
+        problems = self.drafter.validate(proposal)
+        for lane, problem in zip(drafting, problems):
+            if problem is not None:
+                lane.stats.errors.append(str(problem))
+                log.warning("lane %s: %s; its round runs plain", lane.id, problem)
+        confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
+        return proposal.tokens.tolist(), confidences, problems
 
-    def _draft_estimate(self, lanes: int, context: int) -> float:
-        """A drafter forward's seconds from the profile (the round does not time it apart:
-        that would cost a host sync)."""
-        try:
-            return self.costs.estimate_draft(lanes, context)
-        except NoCostData:
-            return 0.0
-
-    def _price(self, lanes: list[Lane], drafting: list[Lane], draft_seconds: float, context: int) -> list[int]:
+    def _price(self, lanes: list[Lane], drafting: list[Lane], confidences: list[list[float]], problems: list,
+               draft_seconds: float) -> list[int]:
         """Every drafting lane's verify depth, decided before the target runs: all it may
-        take at a fixed width, else the DSpark prefix scheduler over the calibrated
-        chances of the lane's last drafted round (all it may take on its first)."""
-        caps = [min(self.proposals, lane.remaining - 1) for lane in drafting]
+        take at a fixed width, else the DSpark prefix scheduler over calibrated chances."""
+        caps = [0 if problem else min(self.proposals, lane.remaining - 1) for lane, problem in zip(drafting, problems)]
         if self.draft_width is not None:
             return caps
         # Priced by real rows, though steady shapes pad them (see _verify): where padding
         # is used the round's cost hardly depends on its rows (the GPU is bound by launches
         # at these sizes), and a bucket's step in cost would stop the prefix scan at its
         # first candidate.
-        chances = [chain_chances(self.calibrator.calibrate(lane.confidences)) if lane.confidences else [1.0] * self.proposals
-                   for lane in drafting]
+        context = max(lane.context for lane in lanes)
         try:
             return plan_depths(
-                chances,
+                [chain_chances(self.calibrator.calibrate(c)) for c in confidences],
                 plain_rows=len(lanes) - len(drafting),
                 round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
                 draft_seconds=draft_seconds,
@@ -362,93 +349,68 @@ class RoundRunner:
             return caps
 
     @staticmethod
-    def _windows(lanes: list[Lane], drafting: list[Lane], depths: list[int]) -> list[Window]:
+    def _windows(lanes: list[Lane], drafting: list[Lane], drafts: list[list[int]], depths: list[int]) -> list[Window]:
         """Each lane's verify window: its anchor and the drafts priced in (none for lanes
         that do not draft this round)."""
-        depth_of = {id(lane): depth for lane, depth in zip(drafting, depths)}
-        return [Window(lane.request.sampling, lane.seed, lane.position, depth_of.get(id(lane), 0), lane.request.logprobs)
-                for lane in lanes]
+        depth_of = {id(lane): (row, depth) for lane, row, depth in zip(drafting, drafts, depths)}
+        windows = []
+        for lane in lanes:
+            row, depth = depth_of.get(id(lane), ([], 0))
+            windows.append(Window(lane.request.sampling, lane.seed, lane.position, row[:depth], lane.request.logprobs))
+        return windows
 
-    def _verify(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], proposal):
-        """One target forward over every lane's rows, fed the proposal on the device, and
-        the verdict (lazy).
+    def _verify(self, lanes: list[Lane], windows: list[Window]):
+        """One target forward over every lane's rows, and each lane's outcome.
 
-        Every lane feeds the same number of rows: its anchor, then its drafts (those past
-        its depth are padding), or for a lane that does not draft this round, padding.
-        Rows past a lane's window are never kept and never seen by its real rows (they sit
-        at later positions); one width per round keeps shapes steady. Near the context
-        limit the round narrows to the room the fullest lane has left."""
+        Every lane feeds the same number of rows, padded past its window with its last
+        token: rows after a lane's window are never kept, never seen by its real rows
+        (they sit at later positions), and one width per round keeps shapes steady. A lane
+        near the context limit pads only up to it (its window already fits)."""
+        width = self.verify_width(max(w.rows for w in windows))
         limit = self.target.context_limit
-        width = min(self.verify_width(max(w.rows for w in windows)), min(limit - lane.position for lane in lanes))
-        for w in windows:
-            w.depth = min(w.depth, width - 1)
-        vocab = self.target.vocab_size
-        # Draft ids are clipped for the target's lookup: a faulty proposal is refused
-        # after the sync, never read out of bounds.
-        drafts = mx.clip(proposal.tokens[:, : width - 1], 0, vocab - 1).astype(mx.int32)
-        row_of = {id(lane): r for r, lane in enumerate(drafting)}
-        padded = mx.concatenate([drafts, mx.zeros((1, width - 1), dtype=mx.int32)])
-        pick = mx.array([row_of.get(id(lane), len(drafting)) for lane in lanes], dtype=mx.int32)
-        anchors = mx.array([[lane.anchor] for lane in lanes], dtype=mx.int32)
-        fed = mx.concatenate([anchors, padded[pick]], axis=1)
-        out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self.drafter.tap_layers,
-                                  key_bucket=KEY_BUCKET)
-        return out, fed, verify(out.logits, fed, windows, self._seen_rows(lanes, windows, fed))
+        fed = [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)]
+        out = self.target.forward(
+            [lane.target_slot for lane in lanes],
+            [rows + rows[-1:] * (min(width, limit - lane.position) - len(rows)) for lane, rows in zip(lanes, fed)],
+            taps=self.drafter.tap_layers,
+            key_bucket=KEY_BUCKET,
+        )
+        return out, verify(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out))
 
-    def _seen_rows(self, lanes: list[Lane], windows: list[Window], fed: mx.array) -> mx.array | None:
+    def _seen_rows(self, lanes: list[Lane], windows: list[Window], out) -> mx.array | None:
         """What each verify row has seen, for repetition penalties (None without one): the
-        lane's tokens, and the drafts before the row (taken from `fed` on the device)."""
+        lane's tokens, and the drafts before the row."""
         if all(w.params.repetition_penalty == 1.0 for w in windows):
             return None
-        width = fed.shape[1]
-        rows, columns = [], []
-        for i, w in enumerate(windows):
+        rows, tokens = [], []
+        for start, w in zip(out.row_starts, windows):
             for k in range(1, w.rows):
-                rows += [i * width + k] * k
-                columns += [i * width + 1 + j for j in range(k)]
-        seen = self.seen.rows(lanes, [width] * len(lanes))
-        return mark(seen, rows, fed.reshape(-1)[mx.array(columns)]) if rows else seen
+                rows += [start + k] * k
+                tokens += w.drafts[:k]
+        seen = self.seen.rows(lanes, out.widths)
+        return mark(seen, rows, tokens) if rows else seen
 
-    def _problems(self, drafting: list[Lane], proposal) -> dict[int, Exception]:
-        """Faulty proposals (evaluated), by lane: such a lane keeps no draft this round."""
-        problems = {}
-        for lane, problem in zip(drafting, self.drafter.validate(proposal)):
-            if problem is not None:
-                problems[id(lane)] = problem
-                lane.stats.errors.append(str(problem))
-                log.warning("lane %s: %s; its round runs plain", lane.id, problem)
-        return problems
-
-    def _confidences(self, drafting: list[Lane], proposal) -> dict[int, list[float]]:
-        """Each drafting lane's raw confidences (evaluated), by lane."""
-        g = self.proposals
-        raw = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
-        return {id(lane): c for lane, c in zip(drafting, raw)}
-
-    def _commit(self, lanes: list[Lane], windows: list[Window], refused: list[bool], confidences: dict[int, list[float]],
+    def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], confidences: list[list[float]],
                 out, outcomes) -> tuple[list, list[int], list[int]]:
         """Keep each lane's accepted rows (KV trimmed, conv state rebuilt, taps queued for
-        the drafter), emit its tokens, and learn from the outcome (calibration, stats, the
-        confidences that price its next window)."""
+        the drafter), emit its tokens, and learn from the outcome (calibration, stats)."""
         self.target.commit(out, [1 + o.accepted for o in outcomes])
         mx.async_eval(self.target.state_arrays())  # the next round builds while this lands
+        raw = {id(lane): c for lane, c in zip(drafting, confidences)}
         events = []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
-        for lane, window, outcome, faulty, start in zip(lanes, windows, outcomes, refused, out.row_starts):
+        for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])
-                lane.pending_tokens += [lane.anchor] + outcome.tokens[: outcome.accepted]
+                lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
             lane.stats.rounds += 1
-            raw = confidences.get(id(lane))
-            if raw is not None:
-                lane.confidences = None if faulty else raw
-            if window.depth and not faulty:
-                depth = window.depth
+            depth = len(window.drafts)
+            if depth:
                 lane.stats.drafted_rounds += 1
                 lane.stats.proposed += depth
                 lane.stats.accepted += outcome.accepted
                 lane.stats.accepted_per_round.append(outcome.accepted)
-                self.calibrator.observe(raw[:depth], depth, outcome.accepted)
+                self.calibrator.observe(raw[id(lane)][:depth], depth, outcome.accepted)
                 for k in range(depth):
                     proposed_at[k] += 1
                     accepted_at[k] += k < outcome.accepted

@@ -1,11 +1,10 @@
 """Verifying drafts against the target's rows.
 
 Greedy and sampled lanes follow one rule: the target's own choice at each row (argmax,
-or the seeded Gumbel-max draw of `sampling.choose`) is computed for every row, and a
-lane keeps its drafts while each equals the target's choice on the row before it. Both
-are computed on the device, from drafts the host has not read, and read back together
-in the round's one host sync. The emitted tokens are exactly the choices of rows
-0..accepted: the plain run's tokens, token for token.
+or the seeded Gumbel-max draw of `sampling.choose`) is computed for every verified row
+in one lazy batch, read back in one host sync, and a lane keeps its drafts while each
+equals the target's choice on the row before it. The emitted tokens are then exactly
+the choices of rows 0..accepted: the plain run's tokens, token for token.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .acceptance import greedy_accept_length
 from .logprobs import TokenLogprob, logprob_arrays, read_logprobs
 from .penalty import penalize
 from .sampling import SamplingParams, choose, row_keys
@@ -23,17 +23,17 @@ PADDING = SamplingParams()  # rows past a window: chosen greedily, never read
 
 @dataclass
 class Window:
-    """One lane's rows in a verify forward: the anchor and `depth` drafts (possibly none)."""
+    """One lane's rows in a verify forward: the anchor and `drafts` (possibly none)."""
 
     params: SamplingParams
     seed: int
     position: int  # absolute position of the anchor
-    depth: int
+    drafts: list[int]
     logprobs: int | None = None  # top alternatives wanted per emitted token (None: no logprobs)
 
     @property
     def rows(self) -> int:
-        return 1 + self.depth
+        return 1 + len(self.drafts)
 
     def keys(self) -> list[int]:
         """Noise keys of the tokens each row decides (row k decides position + 1 + k)."""
@@ -47,49 +47,27 @@ class Outcome:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
-class Verdict:
-    """A verify forward's decisions, lazily evaluated: read them with `outcomes`."""
-
-    choices: mx.array  # [N, W] the target's choice at every row
-    accepted: mx.array  # [N] drafts kept per lane
-    logprobs: list[mx.array]
-    wanted: list[int | None]  # per row
-
-    def arrays(self) -> list[mx.array]:
-        return [self.choices, self.accepted, *self.logprobs]
-
-    def outcomes(self, windows: list[Window], refused: list[bool]) -> list[Outcome]:
-        """Each lane's outcome, from the evaluated arrays. A `refused` lane (its proposal
-        was faulty) keeps no draft: its row 0 never depended on them."""
-        chosen, accepted = self.choices.tolist(), self.accepted.tolist()
-        width = len(chosen[0])
-        per_row = read_logprobs(self.logprobs, [t for row in chosen for t in row], self.wanted)
-        outcomes = []
-        for i, (w, row) in enumerate(zip(windows, chosen)):
-            kept = 0 if refused[i] else accepted[i]
-            logprobs = per_row[i * width : i * width + kept + 1] if w.logprobs is not None else None
-            outcomes.append(Outcome(kept, row[: kept + 1], logprobs))
-        return outcomes
-
-
-def verify(logits: mx.array, fed: mx.array, windows: list[Window], seen: mx.array | None = None) -> Verdict:
-    """The target's choice at every row of a verify forward and each lane's accepted
-    drafts, on the device. `logits` [N * W, V] and `fed` [N, W] (the anchor, then the
-    drafts, then padding) hold W rows per lane; lane i's drafts past `windows[i].depth`
-    are padding and never kept. Padding rows are chosen greedily and never read. `seen`
-    [N * W, V] marks what each row has seen, where a lane has a repetition penalty."""
-    n, width = fed.shape
-    params, keys, wanted = [PADDING] * (n * width), [0] * (n * width), [None] * (n * width)
-    for i, w in enumerate(windows):
-        span = slice(i * width, i * width + w.rows)
+def verify(logits: mx.array, row_starts: list[int], windows: list[Window], seen: mx.array | None = None) -> list[Outcome]:
+    """Accept each lane's drafts from the target's `logits` [rows, V] (lane i's rows begin
+    at `row_starts[i]`). Choices are made for every row, padding rows too (as greedy
+    rows), so the round's shapes stay steady; padding rows are never read. `seen` [rows,
+    V] marks what each row has seen, where a lane has a repetition penalty."""
+    total = logits.shape[0]
+    params, keys, wanted = [PADDING] * total, [0] * total, [None] * total
+    for start, w in zip(row_starts, windows):
+        span = slice(start, start + w.rows)
         params[span], keys[span], wanted[span] = [w.params] * w.rows, w.keys(), [w.logprobs] * w.rows
     target = logits if seen is None else penalize(logits, seen, [p.repetition_penalty for p in params])
     choices = choose(target, params, keys)
     lp = logprob_arrays(logits, choices, wanted)
-    choices = choices.reshape(n, width)
-    # A draft is kept while it equals the choice on the row before it, up to the lane's depth.
-    depth = mx.array([w.depth for w in windows], dtype=mx.int32)[:, None]
-    matches = (fed[:, 1:] == choices[:, :-1]) & (mx.arange(width - 1, dtype=mx.int32)[None, :] < depth)
-    accepted = mx.cumprod(matches.astype(mx.int32), axis=1).sum(axis=1)
-    return Verdict(choices, accepted, lp, wanted)
+    mx.eval(choices, *lp)
+    chosen = choices.tolist()
+    per_row = read_logprobs(lp, chosen, wanted)
+
+    outcomes = []
+    for start, w in zip(row_starts, windows):
+        mine = chosen[start : start + w.rows]
+        accepted = greedy_accept_length(w.drafts, mine)
+        logprobs = per_row[start : start + accepted + 1] if w.logprobs is not None else None
+        outcomes.append(Outcome(accepted, mine[: accepted + 1], logprobs))
+    return outcomes

@@ -5,25 +5,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from lanes.acceptance import greedy_accept_length
 from lanes.sampling import SamplingParams, choose, filtered_logprobs, gumbel_noise, gumbel_noise_reference, noise_key, row_keys
 
 
-def test_verify_keeps_drafts_while_each_equals_the_choice_before_it():
-    from lanes.verify import Window, verify
-
-    vocab = 16
-    choices = [[5, 6, 9, 1], [3, 3, 3, 3], [4, 2, 2, 2], [7, 8, 0, 0]]  # the target's choice at each row
-    fed = mx.array([[1, 5, 6, 7],  # drafts 5, 6 equal the choices before them, 7 != 9: 2 kept
-                    [2, 3, 3, 3],  # all would match, but the window holds one draft
-                    [3, 2, 2, 2],  # a lane that does not draft this round: padding
-                    [4, 0, 8, 0]])  # the first draft differs: none kept, however the rest match
-    logits = mx.array(np.eye(vocab, dtype=np.float32)[np.array(choices).reshape(-1)] * 10)
-    windows = [Window(SamplingParams(), 0, 10, depth) for depth in (3, 1, 0, 3)]
-    verdict = verify(logits, fed, windows)
-    outcomes = verdict.outcomes(windows, [False, False, False, False])
-    assert [(o.accepted, o.tokens) for o in outcomes] == [(2, [5, 6, 9]), (1, [3, 3]), (0, [4]), (0, [7])]
-    refused = verdict.outcomes(windows, [True, False, False, False])  # a faulty proposal keeps nothing
-    assert (refused[0].accepted, refused[0].tokens) == (0, [5])
+def test_accepts_the_matching_prefix():
+    assert greedy_accept_length([5, 6, 7], [5, 6, 9, 1]) == 2  # 7 != 9
+    assert greedy_accept_length([5, 6, 7], [5, 6, 7, 8]) == 3  # all match; 8 is the bonus row
+    assert greedy_accept_length([5, 6, 7], [4, 6, 7, 8]) == 0  # later matches do not count
+    assert greedy_accept_length([], [3]) == 0
+    with pytest.raises(ValueError):
+        greedy_accept_length([5, 6], [5])
 
 
 def test_noise_matches_the_numpy_reference_and_is_gumbel():

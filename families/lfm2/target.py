@@ -130,22 +130,19 @@ class Lfm2Target:
     def forward(
         self,
         lanes: list[LaneSlot],
-        tokens: list[list[int]] | mx.array,
+        tokens: list[list[int]],
         *,
         logits: str = "all",
         taps: tuple[int, ...] = (),
         key_bucket: int = 1,
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
-        `tokens` may also be a lazy `[N]` or `[N, W]` array, one or W rows per lane (a
-        plain round fed with the previous round's unread choices; a verify round fed with
-        proposals the host has not read). `logits` is "all" (every row) or "last"
+        `tokens` may also be a lazy `[N]` array, one row per lane (a plain round fed with
+        the previous round's unread choices). `logits` is "all" (every row) or "last"
         (each lane's last row); `taps` are the layers whose residuals a drafter reads;
         `key_bucket` rounds the attention's key span up (see RaggedLayout)."""
         lazy = isinstance(tokens, mx.array)
-        if lazy:
-            tokens = tokens.reshape(len(lanes), -1)
-        widths = [tokens.shape[1]] * len(lanes) if lazy else [len(t) for t in tokens]
+        widths = [1] * len(lanes) if lazy else [len(t) for t in tokens]
         offsets = [lane.length for lane in lanes]
         furthest = max(o + w for o, w in zip(offsets, widths))
         if furthest > self.context_limit:
@@ -158,7 +155,7 @@ class Lfm2Target:
             pool.reserve(layout.span)
         if lazy:
             packed = tokens if order == sorted(order) else tokens[mx.array(order)]
-            packed = packed.reshape(-1).astype(mx.int32)
+            packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
         compiled = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
