@@ -25,7 +25,6 @@ class RoundCounters:
         self.round_seconds = 0.0
         self.draft_seconds = 0.0
         self.last_round_seconds = 0.0
-        self.drafts = 0  # lane-rounds that verified at least one draft
         self.proposed_at: list[int] = []  # verified drafts by position (1-based index k-1)
         self.accepted_at: list[int] = []
 
@@ -41,7 +40,6 @@ class RoundCounters:
             self.round_seconds += report.seconds
             self.last_round_seconds = report.seconds
             self.draft_seconds += report.draft_seconds
-            self.drafts += report.proposed_per_position[0] if report.proposed_per_position else 0
             for k, (proposed, accepted) in enumerate(zip(report.proposed_per_position, report.accepted_per_position)):
                 if k == len(self.proposed_at):
                     self.proposed_at.append(0)
@@ -62,9 +60,9 @@ class RoundCounters:
                 "round_seconds": {"buckets": buckets, "sum": self.round_seconds, "count": sum(self.seconds_histogram)},
                 "last_round_seconds": self.last_round_seconds,
                 "emitted_tokens": self.emitted,
-                "round_seconds_total": self.round_seconds,
                 "draft_seconds": self.draft_seconds,
-                "drafts_total": self.drafts,
+                # Lane-rounds that verified at least one draft: those that verified a first.
+                "drafts_total": self.proposed_at[0] if self.proposed_at else 0,
                 "draft_tokens_total": sum(self.proposed_at),
                 "accepted_tokens_total": sum(self.accepted_at),
                 "proposed_per_position": list(self.proposed_at),

@@ -324,15 +324,13 @@ class Engine:
             self._publish(lanes[i], lanes[i].emit([token], None if logprob is None else [logprob]))
 
     def _publish(self, lane: Lane, event: LaneEvent) -> None:
-        if event.finish_reason is not None:
-            with self._lock:
+        with self._lock:
+            self._totals["generation_tokens"] += len(event.token_ids)
+            if event.finish_reason is not None:
                 self._live.pop(lane.id, None)
                 if lane.timings.admitted is None:  # ended while queued
                     self._queued -= 1
                 self._finished_by_reason[event.finish_reason.value] += 1
-        if event.token_ids:
-            with self._lock:
-                self._totals["generation_tokens"] += len(event.token_ids)
         if lane.request.on_event is not None:
             try:
                 lane.request.on_event(event)
