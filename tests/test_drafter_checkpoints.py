@@ -214,7 +214,7 @@ def test_eight_bits_is_an_opt_in_that_proposes(drafter_dir, target):
     full = propose_for(load_drafter(drafter_dir, model, cfg), random_taps([6, 2, 9]), [30, 40, 50])
     drafter = load_drafter(drafter_dir, model, cfg, bits=8)
     quantized = {p for p, m in drafter.model.named_modules() if isinstance(m, nn.QuantizedLinear)}
-    assert {"fc", "layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "markov_head.markov_w2"} <= quantized
+    assert {"fc", "layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "markov_head.markov_w2"} <= quantized
     assert "confidence_head.proj" not in quantized
     proposal = propose_for(drafter, random_taps([6, 2, 9]), [30, 40, 50])
     assert proposal.tokens.shape == (3, 4) and validate_proposal(proposal) == [None] * 3

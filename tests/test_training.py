@@ -354,3 +354,28 @@ def test_confidence_step_refits_the_head_alone(drafter_run, target_run, data_dir
     assert refit["label"] == "greedy survival" and set(refit["eval_after"]["per_row"]) <= {str(k) for k in range(4)}
     target_model, target_cfg = load_model(target_run / "model", dtype="float32")
     assert load_drafter(out, target_model, target_cfg, dtype="float32").config.block_size == 4
+
+
+
+def test_init_continues_an_exported_drafter(drafter_run, target_run, data_dir, tmp_path):
+    target_model, target_cfg = load_model(target_run / "model", dtype="float32")
+    config = json.loads((drafter_run / "model" / "config.json").read_text())
+    out = tmp_path / "more"
+    args = ["drafter", "--init", str(drafter_run / "model"), "--target", str(target_run / "model"), "--data", str(data_dir),
+            "--out", str(out), "--steps", "20", "--lr", "1e-3", "--anchors", "8", *TINY_RUN]
+    assert main(args) == 0
+    assert json.loads((out / "model" / "config.json").read_text()) == config
+    assert json.loads((out / "model" / "training.json").read_text())["init"] == str(drafter_run / "model")
+    untrained = drafter_eval(drafter.build_drafter(config, target_cfg.hidden_size, seed=0), target_model, data_dir)
+    before = drafter_eval(load_drafter(drafter_run / "model", target_model, target_cfg, dtype="float32").model, target_model, data_dir)
+    after = drafter_eval(load_drafter(out / "model", target_model, target_cfg, dtype="float32").model, target_model, data_dir)
+    # 20 steps from scratch stay near the untrained loss; from the exported weights they
+    # start where the first run ended.
+    assert after["eval_ce"] < untrained["eval_ce"] - 1.0 and after["eval_ce"] < before["eval_ce"] + 0.1, (untrained, before, after)
+
+
+def test_init_and_resume_are_exclusive(drafter_run, target_run, data_dir, tmp_path, capsys):
+    args = ["drafter", "--init", str(drafter_run / "model"), "--resume", "--target", str(target_run / "model"),
+            "--data", str(data_dir), "--out", str(tmp_path / "x"), *TINY_RUN]
+    assert main(args) != 0
+    assert "give one of them" in capsys.readouterr().err

@@ -211,19 +211,37 @@ class DSparkAttention(nn.Module):
     def rope(self, x: mx.array, offset) -> mx.array:
         return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=self.rope_theta, scale=1.0, offset=offset)
 
-    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
-        """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D]."""
+    def merge_projections(self) -> None:
+        """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
+        merged = merged_linear([self.q_proj, self.k_proj, self.v_proj])
+        if merged is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self.pop(name)
+            self.qkv_proj = merged
+
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """[N, T, H] -> q, k, v `[N, T, heads, D]` (q and k normed, no RoPE yet)."""
         n, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(n, t, self.kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(n, t, self.kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if "qkv_proj" in self:
+            q_width = self.heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + self.kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(n, t, self.heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, t, self.kv_heads, self.head_dim))
+        return q, k, v.reshape(n, t, self.kv_heads, self.head_dim)
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D].
+        Merged projections compute q too and drop it: one matmul beats two on these few rows."""
+        _, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
         return self.rope(k, offset), v
 
     def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
         """Block rows `[N, g, H]` -> q, k, v `[N, heads, g, D]` at the block's positions."""
-        n, g, _ = x.shape
         offset = layout.rope_offset()
-        q = self.q_norm(self.q_proj(x).reshape(n, g, self.heads, self.head_dim)).transpose(0, 2, 1, 3)
-        return (self.rope(q, offset), *self.keys_values(x, offset))
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        return self.rope(q, offset), self.rope(k, offset), v
 
     def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
         """The block's keys go to the pool just past the committed context (read this
@@ -415,6 +433,7 @@ class DSparkDrafter:
         self.kv = [KVPool(max_lanes, cfg.num_kv_heads, cfg.head_dim, self.dtype) for _ in range(cfg.num_layers)]
         self.slots = SlotAllocator(max_lanes, self.kv, "drafter")
         for layer in model.layers:
+            layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths

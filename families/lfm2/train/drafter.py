@@ -210,9 +210,8 @@ def block_hidden(drafter: DSparkModel, embed: nn.Embedding, taps: mx.array, toke
     for layer in drafter.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = attn.q_norm(attn.q_proj(x).reshape(batch * count, g, attn.heads, attn.head_dim)).transpose(0, 2, 1, 3)
-        q = attn.rope(q, offsets)
-        k_block, v_block = attn.keys_values(x, offsets)  # [B*A, kv, g, D]
+        q, k_block, v_block = (t.transpose(0, 2, 1, 3) for t in attn.qkv(x))  # [B*A, heads or kv, g, D]
+        q, k_block = attn.rope(q, offsets), attn.rope(k_block, offsets)
         k_context, v_context = attn.keys_values(context, 0)  # [B, kv, T, D]
         q, k_block, v_block = (gather_blocks(t, batch, count) for t in (q, k_block, v_block))
         keys = mx.concatenate([k_context, k_block], axis=2)
@@ -346,6 +345,8 @@ def add_parser(sub) -> None:
     # Compiling this step took 90 s on an H200 to save 3 ms of 12 per step: it only pays
     # in runs of many minutes, so it is opt-in here.
     add_run_arguments(p, batch=16, lr=1e-3, warmup=100, compile=False)
+    p.add_argument("--init", help="start from this exported drafter directory (its config and weights; the optimizer "
+                                  "and schedule start afresh): more training for a shipped drafter")
     p.set_defaults(run=run)
 
 
@@ -359,18 +360,26 @@ def shape_from(args) -> DrafterShape:
 
 
 def run(args) -> dict:
+    if args.resume and args.init:
+        raise ValueError("--resume continues OUT/checkpoint; --init starts a new run from a drafter: give one of them")
     out, target_dir = Path(args.out), Path(args.target)
     checkpoint = prepare_run_dir(out, args.resume)
     target, target_cfg = load_model(target_dir, dtype=args.dtype)
     target.freeze()
     if args.resume:  # the architecture is the checkpoint's, whatever the flags say
         config = read_state(checkpoint)["config"]
+    elif args.init:  # and here the initial drafter's
+        config = {k: v for k, v in json.loads((Path(args.init) / "config.json").read_text()).items() if k != "torch_dtype"}
     else:
         mask = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK_TOKEN)
         if mask is None:
             raise ValueError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
         config = drafter_config(shape_from(args), target_cfg, mask)
     drafter = build_drafter(config, target_cfg.hidden_size, args.seed)
+    if args.init:
+        drafter.load_weights(list(mx.load(str(Path(args.init) / "model.safetensors")).items()))
+        drafter.set_dtype(mx.float32)  # master weights, whatever the file's dtype
+        log(f"initial weights from {args.init}")
     cfg = drafter.config
     log(f"drafter: {parameter_count(drafter) / 1e6:.2f} M parameters, {cfg.num_layers} layers, block {cfg.block_size}, "
         f"taps {list(cfg.target_layer_ids)} of {target_cfg.num_layers}, markov rank {cfg.markov_rank}")
@@ -396,7 +405,7 @@ def run(args) -> dict:
             "target": str(target_dir), "data": str(args.data), "step": loop.progress.step, "block_rows": loop.progress.tokens,
             "trained_minutes": round(loop.progress.trained_seconds / 60, 2), "eval": result, "batch": args.batch,
             "seq_len": args.seq_len, "anchors": args.anchors, "gamma": args.gamma, "schedule": asdict(loop.schedule),
-            "compute_dtype": args.dtype,
+            "compute_dtype": args.dtype, **({"init": str(args.init)} if args.init else {}),
         }
         export_drafter(stepper.use_weights(mx.float32), config, out / "model", args.export_dtype, training)
 
