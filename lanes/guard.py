@@ -15,11 +15,14 @@ Per band:
 - After that it runs the choice whose realised throughput is higher (drafting only while
   drafted rounds measure strictly faster) and now and then probes the other choice, so
   that a change (acceptance rising or falling) is noticed and the guard switches back.
-- Probe budget (the precise rule): a probe runs only if, counting it at its choice's mean
-  round time, probe seconds in the band stay <= `budget` x all seconds recorded in the
-  band (probes included). Probes are spaced by this rule alone. The time they lose
-  against the winner is at most that share and usually much less. Exploration rounds
-  are not probes and are not counted in the budget; they happen once per band.
+- Probe budget (the precise rule): what a probe costs is the time it loses against the
+  winner, `seconds - tokens / winner_tps` (at least 0). A probe runs only if, counting it
+  at its choice's mean round and throughput, the band's probe losses stay <= `budget` x
+  all seconds recorded in the band (probes included). Probes are spaced by this rule
+  alone: a loser that measures nearly as fast as the winner costs little to probe and is
+  probed often, so a close call is re-measured soon (acceptance moves with the text a
+  lane writes), while a clear loser is probed rarely. Exploration rounds are not probes
+  and are not counted in the budget; they happen once per band.
 - Throughput per choice is a ratio of decayed sums (tokens over seconds). Both choices'
   sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
@@ -68,6 +71,12 @@ class GuardDecision:
     reason: str
 
 
+def lost_seconds(seconds: float, tokens: float, winner_tps: float) -> float:
+    """The time a round of `seconds` that emitted `tokens` lost against a choice that
+    emits `winner_tps` tokens a second: all of it against a winner that emits nothing."""
+    return max(0.0, seconds - tokens / winner_tps) if winner_tps > 0 else seconds
+
+
 @dataclass
 class _Throughput:
     """Decayed sums of one choice's rounds in one band."""
@@ -85,6 +94,10 @@ class _Throughput:
     @property
     def mean_round_seconds(self) -> float:
         return self.seconds / self.weight
+
+    def mean_loss_seconds(self, winner_tps: float) -> float:
+        """What one of these rounds loses, on average, against a choice at `winner_tps`."""
+        return lost_seconds(self.seconds, self.tokens, winner_tps) / self.weight
 
     def decay(self, keep: float) -> None:
         # Decay leaves the ratios alone; it only stops before underflow makes them 0/0.
@@ -107,6 +120,7 @@ class _BandEvidence:
     plain: _Throughput = field(default_factory=_Throughput)
     seconds: float = 0.0
     probe_seconds: float = 0.0
+    probe_loss_seconds: float = 0.0  # what probes lost against the winner (the budget's measure)
     probe_rounds: int = 0
 
     def drafting_wins(self) -> bool:
@@ -118,7 +132,7 @@ class DraftGuard:
 
     def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1) -> None:
-        """`budget`: the share of a band's seconds that probes may take; `smoothing`: the
+        """`budget`: the share of a band's seconds that probes may lose; `smoothing`: the
         per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
         new band runs; `outlier_factor`: the most a round counts, in its choice's mean
         round times; `warm_rounds`: the rounds of each choice a band runs uncounted first."""
@@ -157,8 +171,8 @@ class DraftGuard:
             draft, probe, reason = False, False, EXPLORE
         else:
             drafting_wins = evidence.drafting_wins()
-            loser = plain if drafting_wins else drafted
-            probe = self._probe_affordable(evidence, loser.mean_round_seconds)
+            winner, loser = (drafted, plain) if drafting_wins else (plain, drafted)
+            probe = self._probe_affordable(evidence, loser, winner.tokens_per_second)
             draft = drafting_wins != probe
             reason = PROBE if probe else DRAFTING_FASTER if drafting_wins else DRAFTING_NOT_FASTER
         decision = GuardDecision(draft, probe, band, drafted.tokens_per_second, plain.tokens_per_second, reason)
@@ -193,7 +207,9 @@ class DraftGuard:
         counted = min(round_seconds, self._outlier_factor * choice.mean_round_seconds) if choice.weight > 1e-9 else round_seconds
         choice.add(counted, emitted_tokens)
         if decision.probe:
+            winner_tps = decision.plain_tps if decision.draft else decision.drafted_tps
             evidence.probe_seconds += round_seconds
+            evidence.probe_loss_seconds += lost_seconds(round_seconds, emitted_tokens, winner_tps)
             evidence.probe_rounds += 1
 
     def snapshot(self) -> dict[str, dict[str, object]]:
@@ -219,11 +235,13 @@ class DraftGuard:
             "plain_rounds": evidence.plain.rounds,
             "probe_rounds": evidence.probe_rounds,
             "probe_seconds": evidence.probe_seconds,
+            "probe_loss_seconds": evidence.probe_loss_seconds,
             "seconds": evidence.seconds,
         }
 
-    def _probe_affordable(self, evidence: _BandEvidence, probe_seconds: float) -> bool:
-        return evidence.probe_seconds + probe_seconds <= self._budget * (evidence.seconds + probe_seconds)
+    def _probe_affordable(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float) -> bool:
+        expected_loss = loser.mean_loss_seconds(winner_tps)
+        return evidence.probe_loss_seconds + expected_loss <= self._budget * (evidence.seconds + loser.mean_round_seconds)
 
 
 def _format_tps(tps: float | None) -> str:

@@ -184,11 +184,16 @@ def plan_depths(
     Every drafting lane starts at depth 0 (its anchor row, one sure token); plain lanes
     add `plain_rows` rows and as many tokens. Candidates (lane r, draft k) are admitted
     in order of chain chance a_rk, highest first (ties by k, so a lane's drafts enter in
-    prefix order), each adding one row and a_rk expected tokens, while the estimated
-    rate tokens / (round_seconds(rows) + draft_seconds) rises; the first candidate that
-    does not raise it ends the scan. Stopping at the first drop, rather than taking the
-    best prefix of the whole sorted list, is what keeps sampling lossless with
-    confidences from this round.
+    prefix order), each adding one row and a_rk expected tokens; the plan is the prefix
+    of that order with the highest estimated rate tokens / (round_seconds(rows) +
+    draft_seconds) (the shortest, on a tie).
+
+    DSpark stops at the first candidate that lowers the rate, because with rejection
+    sampling a window chosen from this round's confidences past that point would bias
+    what is emitted. Here a kept draft is one that equals the target's own draw at its
+    position (greedy or seeded Gumbel), so no choice of depth changes a token and the
+    best prefix is as exact as the first; it also crosses a step in the cost (a noisy
+    row count, or a real cliff) that the first-drop rule would stop at.
 
     `chances_per_lane[r]` are lane r's chain chances (non-increasing, one per proposal);
     `max_depths[r]`, if given, caps lane r's depth further (e.g. tokens it may still emit).
@@ -217,13 +222,13 @@ def plan_depths(
         return depths
     rows = len(chances_per_lane) + plain_rows
     tokens = float(rows)
-    current = rate(tokens, rows)
-    for chance, k, lane in candidates:
-        widened = rate(tokens + chance, rows + 1)
-        if widened <= current:
-            break
-        depths[lane] = k
+    best, admitted = rate(tokens, rows), 0
+    for count, (chance, _, _) in enumerate(candidates, start=1):
         rows += 1
         tokens += chance
-        current = widened
+        widened = rate(tokens, rows)
+        if widened > best:
+            best, admitted = widened, count
+    for _, k, lane in candidates[:admitted]:
+        depths[lane] = max(depths[lane], k)
     return depths

@@ -334,8 +334,7 @@ class RoundRunner:
             return caps
         # Priced by real rows, though steady shapes pad them (see _verify): where padding
         # is used the round's cost hardly depends on its rows (the GPU is bound by launches
-        # at these sizes), and a bucket's step in cost would stop the prefix scan at its
-        # first candidate.
+        # at these sizes).
         context = max(lane.context for lane in lanes)
         try:
             return plan_depths(

@@ -104,17 +104,18 @@ def test_the_first_rounds_of_each_choice_in_a_band_are_not_counted():
         guard = DraftGuard(explore_rounds=2, warm_rounds=warm_rounds)
         first = guard.decide(1, 3000)
         guard.record(first, 50 * PAYS["drafted_seconds"], 1)
-        decisions = run_rounds(guard, model, 2 + 2 * (warm_rounds + 2), rng)
-        assert decisions[-1].draft is drafting_kept
+        run_rounds(guard, model, 2 + 2 * (warm_rounds + 2), rng)
+        assert guard.snapshot()["lanes=1,context<=4K"]["drafting"] is drafting_kept
     reasons = [d.reason for d in run_rounds(DraftGuard(explore_rounds=2, warm_rounds=1), model, 7, rng)]
     assert reasons == [EXPLORE] * 6 + [DRAFTING_FASTER]  # 1 warm + 2 counted rounds of each choice
     with pytest.raises(ValueError):
         DraftGuard(warm_rounds=-1)
 
 
-def probe_share(guard, band):
+def probe_loss_share(guard, band):
+    """What probes lost against the winner, as a share of the band's seconds (the budget's measure)."""
     report = guard.snapshot()[str(band)]
-    return report["probe_seconds"] / report["seconds"]
+    return report["probe_loss_seconds"] / report["seconds"]
 
 
 def test_drafting_is_chosen_when_it_pays_and_probes_stay_in_budget():
@@ -125,31 +126,38 @@ def test_drafting_is_chosen_when_it_pays_and_probes_stay_in_budget():
     probes = [d for d in steady if d.probe]
     assert all(not d.draft for d in probes)  # probes run plain, the loser
     assert drafted == len(steady) - len(probes)  # every other round drafts
-    assert len(probes) >= 60  # probing really happens: ~3% of 0.030 s rounds at 0.020 s a probe
-    assert probe_share(guard, decisions[0].band) <= 0.03 * 1.02  # noise may overshoot one probe's error
+    # Probing really happens: a plain probe loses 0.020 - 1 / 193 = 0.0148 s against drafting,
+    # 3% of 0.030 s rounds allows one in about 16 rounds.
+    assert len(probes) >= 120
+    assert probe_loss_share(guard, decisions[0].band) <= 0.03 * 1.05  # noise may overshoot one probe's error
 
 
 def test_drafting_is_dropped_when_it_loses_and_probes_stay_in_budget():
     guard = DraftGuard(budget=0.03)
     decisions = run_rounds(guard, SyntheticRounds(**LOSES, noise=0.2), 3000, np.random.default_rng(2), 40_000)
     steady = decisions[8:]
-    assert all(d.draft == d.probe for d in steady)  # drafts only as a probe
-    assert sum(d.probe for d in steady) >= 20
-    share = probe_share(guard, decisions[0].band)
-    assert 0.02 <= share <= 0.03 * 1.02  # the budget is used, not exceeded
+    # Drafts as a probe, and in the odd round after a lucky one.
+    assert sum(d.draft and not d.probe for d in steady) <= 0.01 * len(steady)
+    # A drafted probe loses about 0.090 - 19.4 / 320 = 0.029 s: one in about 50 rounds.
+    assert sum(d.probe for d in steady) >= 40
+    share = probe_loss_share(guard, decisions[0].band)
+    assert 0.02 <= share <= 0.03 * 1.05  # the budget is used, not exceeded
 
 
 def test_probe_budget_holds_after_every_round_with_exact_costs():
-    # With noiseless round times a probe's cost is known before it runs, so the rule
-    # holds exactly at every step: probe seconds <= budget * band seconds.
-    for model, context in ((SyntheticRounds(**PAYS), 3000), (SyntheticRounds(**LOSES), 40_000)):
+    # With noiseless round times a plain probe's loss is known before it runs (one token a
+    # lane), so where drafting wins the rule holds exactly at every step: probe losses <=
+    # budget * band seconds. A drafted probe's tokens are a draw, so where drafting loses
+    # the sum may run ahead of the budget by the luck of the probes so far: allow one
+    # drafted round (about 2.5 standard deviations of that walk over these rounds).
+    for model, context, slack in ((SyntheticRounds(**PAYS), 3000, 0.0), (SyntheticRounds(**LOSES), 40_000, LOSES["drafted_seconds"])):
         guard = DraftGuard(budget=0.03)
         rng = np.random.default_rng(3)
         for _ in range(2000):
             decision = guard.decide(model.lanes, context)
             guard.record(decision, *model.run(decision.draft, rng))
             report = guard.snapshot()[str(decision.band)]
-            assert report["probe_seconds"] <= 0.03 * report["seconds"] + 1e-12
+            assert report["probe_loss_seconds"] <= 0.03 * report["seconds"] + slack + 1e-12
 
 
 def test_guard_follows_a_change_and_switches_back():
@@ -181,9 +189,10 @@ def test_guard_follows_a_change_and_switches_back():
 def test_a_band_where_drafting_lost_starts_plain_and_others_are_fresh():
     guard = DraftGuard()
     run_rounds(guard, SyntheticRounds(**LOSES), 200, np.random.default_rng(5), 40_000)
-    # A new lane joining at 16 lanes, 50K tokens lands in the same band: plain from its first round.
+    # A new lane joining at 16 lanes, 50K tokens lands in the same band: plain from its
+    # first round (unless that round is a probe).
     decision = guard.decide(16, 50_000)
-    assert (decision.draft, decision.reason) == (False, DRAFTING_NOT_FASTER)
+    assert decision.reason in (DRAFTING_NOT_FASTER, PROBE) and decision.draft == decision.probe
     assert decision.drafted_tps < decision.plain_tps
     # A band never measured starts by drafting.
     assert (guard.decide(16, 1000).draft, guard.decide(16, 1000).reason) == (True, EXPLORE)
@@ -191,14 +200,16 @@ def test_a_band_where_drafting_lost_starts_plain_and_others_are_fresh():
 
 
 def test_equal_throughput_does_not_draft():
-    # Drafted 2 tokens / 0.04 s = 50 tok/s = plain 1 token / 0.02 s: drafting must measure faster.
+    # Drafted 2 tokens / 0.04 s = 50 tok/s = plain 1 token / 0.02 s: drafting must measure
+    # faster to be chosen. (A probe of it loses nothing expected here, so it is probed.)
     guard = DraftGuard(explore_rounds=2, warm_rounds=0)
     for draft, seconds, tokens in [(True, 0.04, 2)] * 2 + [(False, 0.02, 1)] * 2:
         decision = guard.decide(1, 100)
         assert decision.draft == draft
         guard.record(decision, seconds, tokens)
     decision = guard.decide(1, 100)
-    assert (decision.draft, decision.reason) == (False, DRAFTING_NOT_FASTER)
+    assert (decision.draft, decision.reason) == (True, PROBE)
+    assert guard.snapshot()[str(decision.band)]["drafting_wins"] is False
 
 
 def test_throughput_is_a_decayed_ratio_of_sums():
@@ -244,6 +255,7 @@ def test_snapshot_reports_each_band():
             "plain_rounds": 0,
             "probe_rounds": 0,
             "probe_seconds": 0.0,
+            "probe_loss_seconds": 0.0,
             "seconds": 0.5,
         }
     }

@@ -162,12 +162,12 @@ def test_cost_table_refuses_bad_measurements():
 # --- the prefix scheduler: hand-computed cases -----------------------------------------
 
 
-def test_one_lane_stops_at_the_first_drop():
+def test_one_lane_takes_its_best_depth():
     # T(B) = 1 + 0.5 B, no drafter time, chances 0.9, 0.72, 0.36.
     # depth 0: 1.00 / 1.5 = 0.6667
-    # depth 1: 1.90 / 2.0 = 0.9500  rises
-    # depth 2: 2.62 / 2.5 = 1.0480  rises
-    # depth 3: 2.98 / 3.0 = 0.9933  drops -> stop at 2
+    # depth 1: 1.90 / 2.0 = 0.9500
+    # depth 2: 2.62 / 2.5 = 1.0480  best
+    # depth 3: 2.98 / 3.0 = 0.9933
     assert plan_depths([[0.9, 0.72, 0.36]], 0, linear_cost(1.0, 0.5), 0.0) == [2]
 
 
@@ -177,33 +177,26 @@ def test_lanes_compete_for_rows_by_chain_chance():
     # A1 (0.8): 4.8 / (2.25 + 0.5) = 1.7455  rises
     # B1 (0.6): 5.4 / (2.50 + 0.5) = 1.8000  rises
     # B2 (0.5): 5.9 / (2.75 + 0.5) = 1.8154  rises
-    # A2 (0.4): 6.3 / (3.00 + 0.5) = 1.8000  drops -> stop
+    # A2 (0.4): 6.3 / (3.00 + 0.5) = 1.8000  lower: the best prefix ends at B2
     assert plan_depths([[0.8, 0.4], [0.6, 0.5]], 2, linear_cost(1.0, 0.25), 0.5) == [1, 2]
 
 
 def test_max_depths_cap_lanes():
-    # As above with B capped at 1: A1 1.7455, B1 1.8000, then A2: 5.8 / 3.25 = 1.7846 drops.
+    # As above with B capped at 1: A1 1.7455, B1 1.8000 (best), then A2: 5.8 / 3.25 = 1.7846.
     assert plan_depths([[0.8, 0.4], [0.6, 0.5]], 2, linear_cost(1.0, 0.25), 0.5, max_depths=[2, 1]) == [1, 1]
     assert plan_depths([[0.9, 0.8]], 0, lambda rows: 1.0, 0.0, max_depths=[0]) == [0]
 
 
-def best_prefix_of_sorted_list(chances, cost):
-    """The global argmax over prefixes of a single lane's list (not what we want)."""
-    rates = [(1 + sum(chances[:d])) / cost(1 + d) for d in range(len(chances) + 1)]
-    return int(np.argmax(rates))
-
-
-def test_first_drop_is_not_the_global_argmax():
+def test_a_cliff_in_the_cost_does_not_end_the_scan():
     # Cost 1.0 up to 2 rows, a cliff to 1.5 from 3 rows on.
     # depth 0: 1.00 / 1.0 = 1.000
-    # depth 1: 1.90 / 1.0 = 1.900  rises
-    # depth 2: 2.75 / 1.5 = 1.833  drops -> stop at 1
-    # while depth 4 (4.30 / 1.5 = 2.867) is the best prefix overall.
-    chances = [0.9, 0.85, 0.8, 0.75]
+    # depth 1: 1.90 / 1.0 = 1.900
+    # depth 2: 2.75 / 1.5 = 1.833  lower (the first-drop rule would stop at 1)
+    # depth 4: 4.30 / 1.5 = 2.867  best
+    chances = chain_chances([0.9, 0.85 / 0.9, 0.8 / 0.85, 0.75 / 0.8])
     def cost(rows):
         return 1.0 if rows <= 2 else 1.5
-    assert plan_depths([chances], 0, cost, 0.0) == [1]
-    assert best_prefix_of_sorted_list(chances, cost) == 4
+    assert plan_depths([chances], 0, cost, 0.0) == [4]
 
 
 def test_ties_enter_in_prefix_order():
@@ -261,7 +254,7 @@ def test_nearly_constant_cost_goes_deep_on_high_chances_and_shallow_on_low():
     high = chain_chances([0.95] * 9)
     assert plan_depths([high], 0, cost, 0.0) == [9]
     # Low confidences 0.05: a1 = 0.05, a2 = 0.0025.
-    # depth 0: 1 / 1.01 = 0.9901; depth 1: 1.05 / 1.02 = 1.0294 rises; depth 2: 1.0525 / 1.03 = 1.0218 drops.
+    # depth 0: 1 / 1.01 = 0.9901; depth 1: 1.05 / 1.02 = 1.0294 best; depth 2: 1.0525 / 1.03 = 1.0218.
     assert plan_depths([chain_chances([0.05] * 9)], 0, cost, 0.0) == [1]
 
 
@@ -314,13 +307,13 @@ def test_raising_one_lanes_chance_can_push_another_lanes_draft_out():
     # The rule maximises a rate, not a depth: a better lane raises the rate that every
     # further row must beat. T(2) = 1, T(3) = 1.1, T(4) = 1.243 (steps of 10% and 13%).
     cost = {2: 1.0, 3: 1.1, 4: 1.243}.__getitem__
-    # A 0.5, B 0.35: 2 / 1 = 2; A1: 2.5 / 1.1 = 2.2727 rises; B1: 2.85 / 1.243 = 2.2928 rises.
+    # A 0.5, B 0.35: 2 / 1 = 2; A1: 2.5 / 1.1 = 2.2727; B1: 2.85 / 1.243 = 2.2928 best.
     assert plan_depths([[0.5], [0.35]], 0, cost, 0.0) == [1, 1]
-    # A 0.9, B 0.35: 2 / 1 = 2; A1: 2.9 / 1.1 = 2.6364 rises; B1: 3.25 / 1.243 = 2.6146 drops.
+    # A 0.9, B 0.35: 2 / 1 = 2; A1: 2.9 / 1.1 = 2.6364 best; B1: 3.25 / 1.243 = 2.6146.
     assert plan_depths([[0.9], [0.35]], 0, cost, 0.0) == [1, 0]
 
 
-def test_plans_are_prefixes_that_never_lose_rate_and_end_at_a_drop():
+def test_plans_are_the_best_prefix_of_the_admission_order():
     rng = np.random.default_rng(4)
     for _ in range(300):
         chances = random_chances(rng, int(rng.integers(1, 17)))
@@ -334,11 +327,13 @@ def test_plans_are_prefixes_that_never_lose_rate_and_end_at_a_drop():
             rows = base_rows + sum(ds)
             return (base_rows + sum(sum(lane[:d]) for lane, d in zip(chances, ds))) / (cost(rows) + draft)
 
-        assert rate(depths) >= rate([0] * len(chances))
-        # The next candidate in admission order (the highest chance not admitted) does not raise the rate.
-        pending = [(lane[d], r) for r, (lane, d) in enumerate(zip(chances, depths)) if d < len(lane)]
-        if pending:
-            _, r = max(pending, key=lambda item: (item[0], -depths[item[1]] - 1, -item[1]))
-            widened = list(depths)
-            widened[r] += 1
-            assert rate(widened) <= rate(depths)
+        # Every prefix of the admission order (chance descending, then k, then lane) rates
+        # no higher than the plan, and the plan is one of them.
+        order = sorted(((a, k, r) for r, lane in enumerate(chances) for k, a in enumerate(lane, start=1)),
+                       key=lambda c: (-c[0], c[1], c[2]))
+        prefix, plans = [0] * len(chances), [[0] * len(chances)]
+        for _, k, r in order:
+            prefix[r] = k
+            plans.append(list(prefix))
+        assert depths in plans
+        assert all(rate(plan) <= rate(depths) + 1e-12 for plan in plans)
