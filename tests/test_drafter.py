@@ -1,6 +1,6 @@
 """The DSpark drafter against an independent float64 numpy reference, and its batching.
 
-The reference below is written from DESIGN.md section 4, not from drafter.py: context
+The reference below is written from DESIGN.md section 4, not from the drafter package: context
 rows `hidden_norm(fc(taps))` give each layer's keys (k_norm, interleaved RoPE) and
 values at positions 0..n-1; the block `[anchor] + [mask] * (g-1)` at positions n..n+g-1
 attends over context and block with no mask; the final norm feeds the target's tied

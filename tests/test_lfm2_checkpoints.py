@@ -112,8 +112,8 @@ REFUSALS = [
     ("unknown model_type", lambda p: edit_config(p, model_type="llama"), "model_type 'llama'"),
     ("bad layer kinds", lambda p: edit_config(p, layer_types=["conv", "mamba", "conv", "conv", "conv", "full_attention"]), "unknown layer kinds ['mamba']"),
     ("wrong layer count", lambda p: edit_config(p, layer_types=["conv"]), "'layer_types' must list 6"),
-    ("non-finite theta", lambda p: edit_config(p, rope_parameters={"rope_theta": float("inf")}), "rope theta must be a finite positive number"),
-    ("negative theta", lambda p: edit_config(p, rope_theta=-1.0, rope_parameters=None), "rope theta must be a finite positive number"),
+    ("non-finite theta", lambda p: edit_config(p, rope_parameters={"rope_theta": float("inf")}), "'rope_theta' must be a finite positive number"),
+    ("negative theta", lambda p: edit_config(p, rope_theta=-1.0, rope_parameters=None), "'rope_theta' must be a finite positive number"),
     ("no weights", lambda p: (p / "model.safetensors").unlink(), "holds no *.safetensors"),
     ("broken json", lambda p: (p / "config.json").write_text("{"), "config.json is not valid JSON"),
 ]

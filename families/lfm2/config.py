@@ -36,22 +36,54 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _int_field(raw: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
+# Field readers shared by the target's and the drafter's configs: each refusal names the
+# file (`source`) and the field.
+
+
+def required(raw: dict, key: str, default: Any = None, source: str = "config.json") -> Any:
     value = raw.get(key, default)
     if value is None:
-        raise CheckpointError(f"config.json lacks '{key}'")
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise CheckpointError(f"config.json '{key}' must be an integer >= {minimum}, got {value!r}")
+        raise CheckpointError(f"{source} lacks '{key}'")
     return value
 
 
-def rope_theta_of(raw: dict) -> float:
+def int_field(raw: dict, key: str, default: int | None = None, minimum: int = 1, maximum: int | None = None,
+              source: str = "config.json") -> int:
+    value = required(raw, key, default, source)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise CheckpointError(f"{source} '{key}' must be an integer {bound}, got {value!r}")
+    return value
+
+
+def bool_field(raw: dict, key: str, default: bool, source: str = "config.json") -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{source} '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def positive_float(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def positive_float_field(raw: dict, key: str, default: float, source: str = "config.json") -> float:
+    value = raw.get(key, default)
+    if not positive_float(value):
+        raise CheckpointError(f"{source} '{key}' must be a finite positive number, got {value!r}")
+    return float(value)
+
+
+def rope_theta_of(raw: dict, default: float | None = DEFAULT_ROPE_THETA, source: str = "config.json") -> float:
     """`rope_parameters.rope_theta` wins over a top-level `rope_theta` (LFM2.5 files carry
-    their real theta only in the nested form); 1e6 when neither is present."""
+    their real theta only in the nested form); `default` when neither is present (None:
+    required)."""
     nested = raw.get("rope_parameters") or {}
-    theta = nested.get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
-        raise CheckpointError(f"config.json rope theta must be a finite positive number, got {theta!r}")
+    theta = nested.get("rope_theta", raw.get("rope_theta", default))
+    if theta is None:
+        raise CheckpointError(f"{source} lacks 'rope_theta'")
+    if not positive_float(theta):
+        raise CheckpointError(f"{source} 'rope_theta' must be a finite positive number, got {theta!r}")
     return float(theta)
 
 
@@ -136,46 +168,43 @@ class Lfm2Config:
         model_type = raw.get("model_type")
         if model_type not in MODEL_TYPES:
             raise CheckpointError(f"config.json model_type {model_type!r} is not one of {MODEL_TYPES}")
-        hidden = _int_field(raw, "hidden_size")
-        layers = _int_field(raw, "num_hidden_layers")
-        heads = _int_field(raw, "num_attention_heads")
-        kv_heads = _int_field(raw, "num_key_value_heads", heads)
+        hidden = int_field(raw, "hidden_size")
+        layers = int_field(raw, "num_hidden_layers")
+        heads = int_field(raw, "num_attention_heads")
+        kv_heads = int_field(raw, "num_key_value_heads", heads)
         if hidden % heads:
             raise CheckpointError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         if heads % kv_heads:
             raise CheckpointError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if (hidden // heads) % 2:
             raise CheckpointError(f"config.json hidden_size / num_attention_heads = {hidden // heads} is odd; RoPE rotates pairs")
-        eps = raw.get("norm_eps", 1e-5)
-        if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-            raise CheckpointError(f"config.json 'norm_eps' must be a finite positive number, got {eps!r}")
         moe: dict[str, Any] = {}
         if model_type == "lfm2_moe":
-            experts = _int_field(raw, "num_experts")
-            top_k = _int_field(raw, "num_experts_per_tok")
+            experts = int_field(raw, "num_experts")
+            top_k = int_field(raw, "num_experts_per_tok")
             if top_k > experts:
                 raise CheckpointError(f"config.json num_experts_per_tok {top_k} exceeds num_experts {experts}")
             moe = dict(
                 num_experts=experts,
                 experts_per_token=top_k,
-                num_dense_layers=_int_field(raw, "num_dense_layers", 0, minimum=0),
+                num_dense_layers=int_field(raw, "num_dense_layers", 0, minimum=0),
                 norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
                 use_expert_bias=bool(raw.get("use_expert_bias", True)),
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0) or 1.0),
             )
         return cls(
             model_type=model_type,
-            vocab_size=_int_field(raw, "vocab_size"),
+            vocab_size=int_field(raw, "vocab_size"),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             layer_kinds=layer_kinds_of(raw, layers),
-            conv_kernel=_int_field(raw, "conv_L_cache", 3, minimum=2),
+            conv_kernel=int_field(raw, "conv_L_cache", 3, minimum=2),
             conv_bias=bool(raw.get("conv_bias", False)),
-            norm_eps=float(eps),
+            norm_eps=positive_float_field(raw, "norm_eps", 1e-5),
             rope_theta=rope_theta_of(raw),
-            max_position=_int_field(raw, "max_position_embeddings", 128_000),
+            max_position=int_field(raw, "max_position_embeddings", 128_000),
             eos_ids=tuple(_id_list(raw.get("eos_token_id"))),
             bos_id=raw.get("bos_token_id"),
             pad_id=raw.get("pad_token_id"),

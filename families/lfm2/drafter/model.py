@@ -1,0 +1,162 @@
+"""The DSpark drafter's modules and weights (a small Qwen3-style backbone, the Markov and
+confidence heads). The block is embedded with, and read out by, the target's tied table."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVPool, RaggedLayout
+from ..model import attend, merged_linear, swiglu
+from .config import DSparkConfig
+
+
+class DSparkAttention(nn.Module):
+    """GQA with per-head RMSNorm on q and k, then RoPE (interleaved pairing by default).
+    The block's queries attend over the lane's context keys and the whole block."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.head_dim**-0.5
+        self.rope_theta, self.rope_traditional = cfg.rope_theta, cfg.rope_traditional
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=self.rope_traditional, base=self.rope_theta, scale=1.0, offset=offset)
+
+    def merge_projections(self) -> None:
+        """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
+        merged = merged_linear([self.q_proj, self.k_proj, self.v_proj])
+        if merged is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                self.pop(name)
+            self.qkv_proj = merged
+
+    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """[N, T, H] -> q, k, v `[N, T, heads, D]` (q and k normed, no RoPE yet)."""
+        n, t, _ = x.shape
+        if "qkv_proj" in self:
+            q_width = self.heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + self.kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(n, t, self.heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, t, self.kv_heads, self.head_dim))
+        return q, k, v.reshape(n, t, self.kv_heads, self.head_dim)
+
+    def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
+        """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D].
+        Merged projections compute q too and drop it: one matmul beats two on these few rows."""
+        _, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        return self.rope(k, offset), v
+
+    def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
+        """Block rows `[N, g, H]` -> q, k, v `[N, heads, g, D]` at the block's positions."""
+        offset = layout.rope_offset()
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        return self.rope(q, offset), self.rope(k, offset), v
+
+    def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
+        """The block's keys go to the pool just past the committed context (read this
+        round only, overwritten by the next append); the block attends over the lane's
+        context and itself."""
+        pool.write(slots, layout, k, v)
+        keys, values = pool.read(slots, layout)
+        return attend(q, keys, values, self.scale, mask)
+
+    def finish(self, o: mx.array) -> mx.array:
+        n, _, g, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(n, g, -1))
+
+
+class DSparkMLP(nn.Module):
+    """SwiGLU: `down(silu(gate x) * up x)`."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def merge_projections(self) -> None:
+        """Serve gate and up from one matmul `gate_up_proj` (where they merge exactly)."""
+        merged = merged_linear([self.gate_proj, self.up_proj])
+        if merged is not None:
+            self.pop("gate_proj"), self.pop("up_proj")
+            self.gate_up_proj = merged
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "gate_up_proj" in self:
+            return self.down_proj(swiglu(*mx.split(self.gate_up_proj(x), 2, axis=-1)))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DSparkAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = DSparkMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def project(self, h: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(h), layout)
+
+    def finish(self, h: mx.array, attended: mx.array) -> mx.array:
+        """The rest of the layer once its attention core has run."""
+        h = h + self.self_attn.finish(attended)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """Rank-r token transitions: `w2(w1[prev])` is added to the base logits of the row
+    that proposes the token after `prev`."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    """`sigmoid(proj([h ; w1[prev]]))`: the chance a proposal survives given that the
+    ones before it did."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.sigmoid(self.proj(x).astype(mx.float32)).squeeze(-1)
+
+
+class DSparkModel(nn.Module):
+    """The drafter's own weights. The target's table embeds the block and is its head."""
+
+    def __init__(self, cfg: DSparkConfig, target_hidden: int):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * target_hidden, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DSparkLayer(cfg) for _ in range(cfg.num_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0))
+
+    def context(self, taps: mx.array) -> mx.array:
+        """Taps [R, n_taps * H_target] -> context rows `hidden_norm(fc(taps))` [R, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def block(self, h: mx.array, layout: RaggedLayout, slots: list[int], pools: list[KVPool], mask) -> mx.array:
+        """Embedded block [N, g, H] -> final-normed hidden rows `h_k` [N, g, H]: each
+        layer's projections, its attention core, and the rest of it."""
+        for layer, pool in zip(self.layers, pools):
+            h = layer.finish(h, layer.self_attn.core(*layer.project(h, layout), layout, slots, pool, mask))
+        return self.norm(h)
