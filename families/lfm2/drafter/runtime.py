@@ -275,8 +275,9 @@ class DSparkDrafter:
         tokens, logits, prev_rows = [], [], []
         for k in range(g):
             # Ids from a faulty pick are clipped for the lookup only; the raw ids are
-            # returned so the fault is reported, never read out of bounds.
-            e = markov.markov_w1(mx.clip(prev, 0, cfg.vocab_size - 1))
+            # returned so the fault is reported, never read out of bounds. An argmax (and
+            # the anchor, the target's own token) is always in range.
+            e = markov.markov_w1(prev if pick is None or k == 0 else mx.clip(prev, 0, cfg.vocab_size - 1))
             l_k = base[:, k].astype(mx.float32) + markov.markov_w2(e).astype(mx.float32)
             prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
             tokens.append(prev)
