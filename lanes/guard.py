@@ -130,12 +130,9 @@ class _BandEvidence:
 class DraftGuard:
     """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
-    def __init__(self, budget: float = 0.02, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
+    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1) -> None:
-        """`budget`: the share of a band's seconds that probes may lose (2% by default: at
-        long context, where drafting clearly loses, a probe loses about half its time, so
-        this is about what the earlier 3% of probe time lost, and the engine's whole
-        margin there is 3%, exploration included); `smoothing`: the
+        """`budget`: the share of a band's seconds that probes may lose; `smoothing`: the
         per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
         new band runs; `outlier_factor`: the most a round counts, in its choice's mean
         round times; `warm_rounds`: the rounds of each choice a band runs uncounted first."""
