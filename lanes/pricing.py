@@ -9,7 +9,6 @@ second of the whole round is as high as the prefix rule allows.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,50 +28,6 @@ def chain_chances(confidences: Sequence[float]) -> list[float]:
         survival *= confidence
         chances.append(survival)
     return chances
-
-
-@dataclass(frozen=True)
-class VerifyWindow:
-    """One drafting lane's window in a round: what was proposed, how sure, how deep to verify.
-
-    `chances` is derived from the calibrated `confidences`; `depth` is how many of the
-    proposals enter the target's rows.
-    """
-
-    proposals: tuple[int, ...]
-    raw_confidences: tuple[float, ...]
-    confidences: tuple[float, ...]
-    depth: int
-    chances: tuple[float, ...] = field(init=False)
-
-    def __post_init__(self) -> None:
-        # Frozen: normalise sequences to tuples so a window is hashable and cannot change.
-        object.__setattr__(self, "proposals", tuple(self.proposals))
-        object.__setattr__(self, "raw_confidences", tuple(self.raw_confidences))
-        object.__setattr__(self, "confidences", tuple(self.confidences))
-        if not len(self.proposals) == len(self.raw_confidences) == len(self.confidences):
-            raise ValueError(
-                f"window lengths disagree: {len(self.proposals)} proposals, "
-                f"{len(self.raw_confidences)} raw and {len(self.confidences)} calibrated confidences"
-            )
-        if not 0 <= self.depth <= len(self.proposals):
-            raise ValueError(f"depth {self.depth} outside 0..{len(self.proposals)}")
-        object.__setattr__(self, "chances", tuple(chain_chances(self.confidences)))
-
-    @property
-    def rows(self) -> int:
-        """Target rows this window occupies: the anchor plus the verified drafts."""
-        return 1 + self.depth
-
-    @property
-    def expected_tokens(self) -> float:
-        """Tokens this window is expected to emit: one from the anchor row, plus a_1..a_depth."""
-        return 1.0 + sum(self.chances[: self.depth])
-
-    @property
-    def verified_proposals(self) -> tuple[int, ...]:
-        """The drafts that enter the target's rows."""
-        return self.proposals[: self.depth]
 
 
 class NoCostData(LookupError):
@@ -101,8 +56,8 @@ def interpolate_cost(seconds_by_rows: Mapping[int, float], rows: int) -> float:
 
 
 class CostTable:
-    """Measured seconds of a target round by row count, per (lanes band, context band),
-    and of the drafter's forward per band.
+    """Measured seconds of a target round by row count, per (lanes band, context band).
+    (The drafter's own seconds are this round's, measured before the windows are priced.)
 
     Seeded by a warm-up profile (`seed`, or `seeds` at construction) and refined from
     live rounds (`observe`: an exponential moving average per measured key). A band
@@ -121,7 +76,6 @@ class CostTable:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self._smoothing = smoothing
         self._round_seconds: dict[Band, dict[int, float]] = {}
-        self._draft_seconds: dict[Band, float] = {}
         for rows, lanes, context_tokens, seconds in seeds:
             self.seed(rows, lanes, context_tokens, seconds)
 
@@ -140,16 +94,6 @@ class CostTable:
         """Estimated seconds of a target round of `rows` rows (see `interpolate_cost`)."""
         band = _nearest(self._round_seconds, Band.of(lanes, context_tokens))
         return interpolate_cost(self._round_seconds[band], rows)
-
-    def observe_draft(self, lanes: int, context_tokens: int, seconds: float) -> None:
-        """Fold a live drafter forward's seconds into this band's drafter cost."""
-        _check_measurement(1, seconds)
-        band = Band.of(lanes, context_tokens)
-        self._draft_seconds[band] = self._smoothed(self._draft_seconds.get(band), seconds)
-
-    def estimate_draft(self, lanes: int, context_tokens: int) -> float:
-        """Estimated seconds of one batched drafter forward for this many lanes."""
-        return self._draft_seconds[_nearest(self._draft_seconds, Band.of(lanes, context_tokens))]
 
     def _smoothed(self, previous: float | None, seconds: float) -> float:
         if previous is None:

@@ -175,8 +175,6 @@ class RoundRunner:
             if decision.probe:
                 report.kind = "probe"
         self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
-        if report.drafting_lanes:
-            self.costs.observe_draft(report.drafting_lanes, context, report.draft_seconds)
         self.counters.record(report)
         log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d",
                   report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,

@@ -91,23 +91,6 @@ def gumbel_noise(keys: list[int], vocab: int) -> mx.array:
     return -mx.log(-mx.log1p(-v))
 
 
-def gumbel_noise_reference(key: int, vocab: int) -> np.ndarray:
-    """`gumbel_noise` for one row in float64 numpy: the independent check of the device code."""
-    index = (np.arange(vocab, dtype=np.uint64) * _GOLDEN) & _MASK32
-
-    def mix(x):
-        x = x & _MASK32
-        x ^= x >> 16
-        x = (x * 0x7FEB352D) & _MASK32
-        x ^= x >> 15
-        x = (x * 0x846CA68B) & _MASK32
-        return x ^ (x >> 16)
-
-    bits = mix((mix(np.uint64(key) ^ index) + np.uint64(key)) & _MASK32)
-    v = (bits >> 9).astype(np.float64) * 2.0**-23 + 2.0**-24
-    return -np.log(-np.log1p(-v))
-
-
 # ---- filtering and drawing -----------------------------------------------------------
 
 

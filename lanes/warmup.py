@@ -105,7 +105,7 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
             for width in widths:
                 runner.costs.seed(lanes * width, lanes, context, seconds(lambda: forward_only(lanes, width)))
             if drafter is not None:
-                runner.costs.observe_draft(lanes, context, seconds(lambda: propose(lanes)))
+                mx.eval(propose(lanes))  # the shapes a first drafted round meets, built now
     finally:
         for slot in slots:
             target.close_lane(slot)

@@ -29,7 +29,6 @@ def flat_costs(max_rows: int = 1024) -> CostTable:
     costs = CostTable()
     for rows in (1, max_rows):
         costs.seed(rows, 1, 0, 1.0)
-    costs.observe_draft(1, 0, 0.1)
     return costs
 
 

@@ -1,6 +1,4 @@
-"""Pricing: chain chances, verify windows, the cost table, the prefix scheduler."""
-
-import dataclasses
+"""Pricing: chain chances, the cost table, the prefix scheduler."""
 
 import numpy as np
 import pytest
@@ -8,7 +6,6 @@ import pytest
 from lanes.pricing import (
     CostTable,
     NoCostData,
-    VerifyWindow,
     chain_chances,
     interpolate_cost,
     plan_depths,
@@ -32,33 +29,6 @@ def test_chain_chances_are_running_products():
 def test_chain_chances_refuse_non_probabilities(bad):
     with pytest.raises(ValueError):
         chain_chances([0.5, bad])
-
-
-def test_verify_window_rows_and_expected_tokens():
-    window = VerifyWindow(
-        proposals=[11, 12, 13], raw_confidences=[0.95, 0.85, 0.6], confidences=[0.9, 0.8, 0.5], depth=2
-    )
-    assert window.chances == pytest.approx((0.9, 0.72, 0.36))
-    assert window.rows == 3  # anchor + 2 drafts
-    assert window.expected_tokens == pytest.approx(2.62)  # 1 + 0.9 + 0.72
-    assert window.verified_proposals == (11, 12)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        window.depth = 3
-
-
-def test_verify_window_at_depth_zero_is_a_plain_step():
-    window = VerifyWindow(proposals=[7], raw_confidences=[0.5], confidences=[0.5], depth=0)
-    assert (window.rows, window.expected_tokens, window.verified_proposals) == (1, 1.0, ())
-
-
-def test_verify_window_refuses_inconsistent_fields():
-    with pytest.raises(ValueError):
-        VerifyWindow(proposals=[1, 2], raw_confidences=[0.5], confidences=[0.5, 0.5], depth=1)
-    with pytest.raises(ValueError):
-        VerifyWindow(proposals=[1, 2], raw_confidences=[0.5, 0.5], confidences=[0.5, 0.5], depth=3)
-
-
-# --- interpolation ----------------------------------------------------------------------
 
 
 def test_interpolation_is_linear_between_neighbours_only():
@@ -132,16 +102,6 @@ def test_cost_table_borrows_the_nearest_band_preferring_larger():
     assert table.estimate(2, 1, 10) == 10.0
     # (16 lanes, 64K) is one context step from (16, 128K).
     assert table.estimate(2, 16, 60_000) == 90.0
-
-
-def test_cost_table_drafter_time():
-    table = CostTable(smoothing=0.5)
-    with pytest.raises(NoCostData):
-        table.estimate_draft(1, 1000)
-    table.observe_draft(1, 1000, 4.0)
-    table.observe_draft(1, 1000, 6.0)  # 4 + 0.5 * (6 - 4) = 5
-    assert table.estimate_draft(1, 1000) == pytest.approx(5.0)
-    assert table.estimate_draft(2, 1000) == pytest.approx(5.0)  # borrowed
 
 
 def test_empty_cost_table_says_so():

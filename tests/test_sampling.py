@@ -6,7 +6,30 @@ import numpy as np
 import pytest
 
 from lanes.acceptance import greedy_accept_length
-from lanes.sampling import SamplingParams, choose, filtered_logprobs, gumbel_noise, gumbel_noise_reference, noise_key, row_keys
+from lanes.sampling import SamplingParams, choose, filtered_logprobs, gumbel_noise, noise_key, row_keys
+
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+
+
+def gumbel_noise_reference(key: int, vocab: int) -> np.ndarray:
+    """`gumbel_noise` for one row in float64 numpy, written apart from the device code:
+    the same 32-bit hash (golden-ratio spread of the index, two mixing rounds), the same
+    23-bit uniform strictly inside (0, 1), the Gumbel transform in float64."""
+    index = (np.arange(vocab, dtype=np.uint64) * GOLDEN) & MASK32
+
+    def mix(x):
+        x = x & MASK32
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & MASK32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & MASK32
+        return x ^ (x >> 16)
+
+    bits = mix((mix(np.uint64(key) ^ index) + np.uint64(key)) & MASK32)
+    v = (bits >> 9).astype(np.float64) * 2.0**-23 + 2.0**-24
+    return -np.log(-np.log1p(-v))
 
 
 def test_accepts_the_matching_prefix():
