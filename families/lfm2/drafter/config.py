@@ -47,45 +47,45 @@ class DSparkConfig:
         (the nested value wins). Every refusal names its field."""
         nested = raw.get("dflash_config") or {}
         if not isinstance(nested, dict):
-            raise CheckpointError(f"drafter config.json 'dflash_config' must be an object, got {nested!r}")
+            raise CheckpointError(f"{SOURCE} 'dflash_config' must be an object, got {nested!r}")
         raw = {**raw, **nested}
         hidden = _int(raw, "hidden_size")
         heads = _int(raw, "num_attention_heads")
         kv_heads = _int(raw, "num_key_value_heads", heads)
         if heads % kv_heads:
-            raise CheckpointError(f"drafter config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise CheckpointError(f"{SOURCE} num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         vocab = _int(raw, "vocab_size")
         if raw.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"drafter config.json 'hidden_act' must be 'silu' (SwiGLU), got {raw['hidden_act']!r}")
+            raise CheckpointError(f"{SOURCE} 'hidden_act' must be 'silu' (SwiGLU), got {raw['hidden_act']!r}")
         if raw.get("attention_bias", False):
-            raise CheckpointError("drafter config.json 'attention_bias' is true; DSpark drafters have no attention biases")
+            raise CheckpointError(f"{SOURCE} 'attention_bias' is true; DSpark drafters have no attention biases")
         # Required (nested form first, as for the target): the published drafters differ
         # (1e6, 5e6, 1e7) and a wrong theta degrades with position instead of failing.
         theta = rope_theta_of(raw, default=None, source=SOURCE)
         mask = _int(raw, "mask_token_id", minimum=0)
         if mask >= vocab:
-            raise CheckpointError(f"drafter config.json 'mask_token_id' {mask} is not below vocab_size {vocab}")
+            raise CheckpointError(f"{SOURCE} 'mask_token_id' {mask} is not below vocab_size {vocab}")
         target_layers = _int(raw, "num_target_layers", minimum=2)
         ids = required(raw, "target_layer_ids", source=SOURCE)
         if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise CheckpointError(f"drafter config.json 'target_layer_ids' must be a non-empty list of layer indices, got {ids!r}")
+            raise CheckpointError(f"{SOURCE} 'target_layer_ids' must be a non-empty list of layer indices, got {ids!r}")
         if any(b <= a for a, b in zip(ids, ids[1:])):
-            raise CheckpointError(f"drafter config.json 'target_layer_ids' must be strictly increasing, got {ids}")
+            raise CheckpointError(f"{SOURCE} 'target_layer_ids' must be strictly increasing, got {ids}")
         if ids[0] < 0 or ids[-1] >= target_layers - 1:
             # The last layer's residual is what the target's head reads; taps come before it.
             raise CheckpointError(
-                f"drafter config.json 'target_layer_ids' {ids} must lie in 0..{target_layers - 2} "
+                f"{SOURCE} 'target_layer_ids' {ids} must lie in 0..{target_layers - 2} "
                 f"(inside the {target_layers}-layer target, not its last layer)"
             )
         if raw.get("markov_head_type", "vanilla") != "vanilla":
-            raise CheckpointError(f"drafter config.json 'markov_head_type' {raw['markov_head_type']!r} is not supported; expected 'vanilla'")
+            raise CheckpointError(f"{SOURCE} 'markov_head_type' {raw['markov_head_type']!r} is not supported; expected 'vanilla'")
         # A verify window is the anchor plus the drafts, at most MAX_VERIFY_WIDTH rows: a wider
         # trained block is a wrong file, not something to narrow silently.
         block = _int(raw, "block_size", maximum=MAX_VERIFY_WIDTH - 1)
         width = block if raw.get("runtime_block_size") is None else _int(raw, "runtime_block_size", maximum=block)
         head_dim = _int(raw, "head_dim", hidden // heads)
         if head_dim % 2:
-            raise CheckpointError(f"drafter config.json 'head_dim' {head_dim} is odd; RoPE rotates pairs")
+            raise CheckpointError(f"{SOURCE} 'head_dim' {head_dim} is odd; RoPE rotates pairs")
         return cls(
             hidden_size=hidden,
             num_layers=_int(raw, "num_hidden_layers"),
