@@ -90,6 +90,16 @@ def merged_linear(parts: list[nn.Module]) -> nn.Module | None:
     return module
 
 
+def merge_parts(module: nn.Module, names: tuple[str, ...], merged_name: str, merge=merged_linear) -> None:
+    """Serve `module`'s linear parts `names` from one matmul `merged_name`, where `merge`
+    joins them exactly (see `merged_linear`); otherwise leave them as they are."""
+    merged = merge([module[name] for name in names])
+    if merged is not None:
+        for name in names:
+            module.pop(name)
+        setattr(module, merged_name, merged)
+
+
 class ShortConv(nn.Module):
     """`B, C, X = split(in_proj(x))`; `y = out_proj(C * causal_conv(B * X))`."""
 
@@ -143,11 +153,7 @@ class Attention(nn.Module):
 
     def merge_projections(self) -> None:
         """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
-        merged = merged_linear([self.q_proj, self.k_proj, self.v_proj])
-        if merged is not None:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                self.pop(name)
-            self.qkv_proj = merged
+        merge_parts(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[..., T, H] -> q, k, v as [..., T, heads, D] (q and k normed, no RoPE yet)."""
@@ -199,10 +205,7 @@ class DenseFFN(nn.Module):
 
     def merge_projections(self) -> None:
         """Serve w1 and w3 from one matmul `w13` (where they merge exactly)."""
-        merged = merged_linear([self.w1, self.w3])
-        if merged is not None:
-            self.pop("w1"), self.pop("w3")
-            self.w13 = merged
+        merge_parts(self, ("w1", "w3"), "w13")
 
     def __call__(self, x: mx.array) -> mx.array:
         if "w13" in self:
@@ -268,10 +271,7 @@ class Experts(nn.Module):
 
     def merge_projections(self) -> None:
         """Serve w1 and w3 from one gathered matmul `w13` (where they merge exactly)."""
-        merged = merged_expert_linear([self.w1, self.w3])
-        if merged is not None:
-            self.pop("w1"), self.pop("w3")
-            self.w13 = merged
+        merge_parts(self, ("w1", "w3"), "w13", merge=merged_expert_linear)
 
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         """x [R, H], chosen [R, k] -> [R, k, H]."""

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVPool, RaggedLayout
-from ..model import attend, merged_linear, swiglu
+from ..model import attend, merge_parts, swiglu
 from .config import DSparkConfig
 
 
@@ -32,11 +32,7 @@ class DSparkAttention(nn.Module):
 
     def merge_projections(self) -> None:
         """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
-        merged = merged_linear([self.q_proj, self.k_proj, self.v_proj])
-        if merged is not None:
-            for name in ("q_proj", "k_proj", "v_proj"):
-                self.pop(name)
-            self.qkv_proj = merged
+        merge_parts(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[N, T, H] -> q, k, v `[N, T, heads, D]` (q and k normed, no RoPE yet)."""
@@ -86,10 +82,7 @@ class DSparkMLP(nn.Module):
 
     def merge_projections(self) -> None:
         """Serve gate and up from one matmul `gate_up_proj` (where they merge exactly)."""
-        merged = merged_linear([self.gate_proj, self.up_proj])
-        if merged is not None:
-            self.pop("gate_proj"), self.pop("up_proj")
-            self.gate_up_proj = merged
+        merge_parts(self, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
