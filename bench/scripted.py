@@ -139,6 +139,13 @@ class ScriptedDrafter:
         for lane, ids in zip(lanes, tokens):
             self._history[lane.slot] += ids
 
+    def context_rows(self, lane, start: int, end: int):
+        return self.drafter.context_rows(lane, start, end)
+
+    def restore_context(self, lane, tokens, *rows) -> None:
+        self.drafter.restore_context(lane, tokens, *rows)
+        self._history[lane.slot] = list(tokens)
+
     def validate(self, proposal: ScriptedProposal) -> list:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
         return self.drafter.validate(proposal.real)

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from .detokenize import IncrementalDetokenizer
 from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request, Timings
+from .prefix_cache import BLOCK_TOKENS, PrefixCache
 from .round import RoundRunner
 from .warmup import profile, rehearsal
 
@@ -45,6 +46,8 @@ class EngineConfig:
     prefill_chunk: int = 512  # prompt tokens read per engine iteration
     draft_width: int | None = None  # fixed verify rows per drafted round; None prices them
     steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
+    prefix_cache_bytes: int = 0  # budget of the prefix cache (lanes/prefix_cache.py); 0: no cache
+    prefix_block_tokens: int = BLOCK_TOKENS
 
 
 def context_error(limit: int, prompt: int, max_tokens: int) -> str:
@@ -62,6 +65,8 @@ class Engine:
         self.drafter = drafter
         self.config = config
         self.rounds = rounds or RoundRunner(target, drafter, draft_width=config.draft_width, steady_shapes=config.steady_shapes)
+        self.prefix_cache = (PrefixCache(target, drafter, config.prefix_cache_bytes, config.prefix_block_tokens)
+                             if config.prefix_cache_bytes else None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[Lane] = deque()
         self._running: list[Lane] = []
@@ -138,6 +143,8 @@ class Engine:
         snapshot.update(max_streams=self.config.max_streams, max_waiting=self.config.max_waiting,
                         context_limit=self.target.context_limit)
         snapshot.update(self.rounds.counters.snapshot())
+        if self.prefix_cache is not None:
+            snapshot["prefix_cache"] = self.prefix_cache.stats()
         guard = self.rounds.guard.snapshot()
         snapshot["guard"] = guard
         snapshot["guard_drafting"] = {band: int(bool(state.get("drafting"))) for band, state in guard.items()}
@@ -170,6 +177,8 @@ class Engine:
                 self.generate(batch)
         with self._lock:
             self._totals, self._finished_by_reason = totals, finished
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         profile(self.rounds, self.config.max_streams)
 
     def run(self, stopping: threading.Event, wake: threading.Event) -> None:
@@ -291,6 +300,8 @@ class Engine:
                 lane.target_slot = self.target.open_lane()
                 if self.drafter is not None and lane.request.draft:
                     lane.drafter_slot = self.drafter.open_lane()
+                if self.prefix_cache is not None and lane.request.cache:
+                    lane.cached_tokens = lane.prefilled = self.prefix_cache.attach(lane)
             except Exception as e:
                 log.exception("admitting %s failed", lane.id)
                 self._publish(lane, lane.finish(FinishReason.ERROR, f"admission failed: {type(e).__name__}: {e}"))
@@ -342,6 +353,8 @@ class Engine:
         if not finished:
             return
         for lane in finished:
+            if self.prefix_cache is not None:
+                self._offer(lane)
             if lane.target_slot is not None:
                 self.target.close_lane(lane.target_slot)
                 lane.target_slot = None
@@ -351,6 +364,17 @@ class Engine:
             lane.pending_taps, lane.pending_tokens = [], []
         self._running = [lane for lane in self._running if not lane.finished]
         mx.clear_cache()
+
+    def _offer(self, lane: Lane) -> None:
+        """Give a finished lane's blocks to the prefix cache (not a faulted lane's: its
+        caches may be part-written) and unpin the ones it resumed from."""
+        try:
+            if lane.finish_reason is not FinishReason.ERROR and lane.target_slot is not None:
+                self.prefix_cache.offer(lane)
+        except Exception:  # the cache only loses this lane's blocks
+            log.exception("offering %s to the prefix cache failed", lane.id)
+        finally:
+            self.prefix_cache.release(lane)
 
     def _publish_gauges(self) -> None:
         in_use = self.target.kv_bytes_in_use() + (self.drafter.kv_bytes_in_use() if self.drafter is not None else 0)

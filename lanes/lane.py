@@ -35,6 +35,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     draft: bool = True
+    cache: bool = True  # resume from the prefix cache where it holds this prompt's start
     id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     logprobs: int | None = None  # None: off; k: each token's logprob and its k best alternatives
     # Called on the engine thread with each LaneEvent; the client hops it onto its loop.
@@ -107,6 +108,7 @@ class Completion:
     draft: DraftStats
     error: str | None = None
     timings: Timings | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 @dataclass
@@ -151,6 +153,8 @@ class Lane:
         # Committed rows not yet in the drafter's context: their taps and token ids.
         self.pending_taps: list = []
         self.pending_tokens: list[int] = []
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache, not read
+        self.cached_blocks: list = []  # the prefix cache's blocks this lane pins while it runs
         self._detokenizer = detokenizer
         self._stops = StopMatcher(request.stop)
 
@@ -230,5 +234,5 @@ class Lane:
     def completion(self) -> Completion:
         return Completion(
             self.id, len(self.request.prompt), list(self.generated), self.text, self.finish_reason, self.stats, self.error,
-            self.timings,
+            self.timings, self.cached_tokens,
         )

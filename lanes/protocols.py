@@ -57,6 +57,15 @@ class Target(Protocol):
     def kv_bytes(self) -> int: ...
     def kv_bytes_in_use(self) -> int: ...
 
+    # The prefix cache's view: a prefix's rows copied out, and restored into a fresh lane.
+    boundary_every: int  # positions at whose multiples each lane keeps its conv states (0: none)
+
+    def prefix_rows(self, lane: LaneCache, start: int, end: int) -> tuple[mx.array, ...]:
+        """Copies of what positions start..end-1 of a lane hold, with the state after end-1."""
+
+    def restore_prefix(self, lane: LaneCache, *rows: mx.array) -> None:
+        """Start a fresh lane as if it had read a prefix whose `prefix_rows` these are."""
+
 
 class Proposal(Protocol):
     tokens: mx.array  # [N, g] drafts
@@ -90,3 +99,9 @@ class Drafter(Protocol):
     def state_arrays(self) -> list[mx.array]: ...
     def kv_bytes(self) -> int: ...
     def kv_bytes_in_use(self) -> int: ...
+
+    def context_rows(self, lane: LaneCache, start: int, end: int) -> tuple[mx.array, ...]:
+        """Copies of a lane's context at positions start..end-1."""
+
+    def restore_context(self, lane: LaneCache, tokens: list[int], *rows: mx.array) -> None:
+        """Start a fresh lane's context from the `context_rows` of `tokens` read before."""

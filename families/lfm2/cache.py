@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -158,10 +158,14 @@ class RaggedLayout:
 
 @dataclass
 class LaneSlot:
-    """A lane's place in the target's caches: its slot and how many tokens it has committed."""
+    """A lane's place in a model's caches: its slot and how many tokens it has committed.
+    `conv_at` keeps the conv states at block boundaries the lane has passed (boundary ->
+    `[conv layers, L-1, H]`), where a prefix cache asks for them: a conv state is only
+    known at the position it was computed for."""
 
     slot: int
     length: int = 0
+    conv_at: dict[int, mx.array] = field(default_factory=dict)
 
 
 class KVPool:
@@ -235,6 +239,19 @@ class KVPool:
         index, span = layout.slot_index(slots), layout.span
         return self._shaped(self.keys)[index, :, :span], self._shaped(self.values)[index, :, :span]
 
+    def rows(self, slot: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """One slot's keys and values at positions start..end-1, `[kv_heads, n, D]` (lazy views)."""
+        return self._shaped(self.keys)[slot, :, start:end], self._shaped(self.values)[slot, :, start:end]
+
+    def put(self, slot: int, keys: mx.array, values: mx.array) -> None:
+        """Store `[kv_heads, n, D]` rows at one slot's positions 0..n-1 (a restored prefix)."""
+        n = keys.shape[1]
+        self.reserve(n)
+        heads = mx.arange(self.kv_heads, dtype=mx.int32)[:, None]
+        index = (slot * self.kv_heads + heads) * self.capacity + mx.arange(n, dtype=mx.int32)[None, :]
+        self.keys[index] = keys.astype(self.dtype)
+        self.values[index] = values.astype(self.dtype)
+
     def nbytes_per_position(self) -> int:
         return 2 * self.slots * self.kv_heads * self.head_dim * self.dtype.size
 
@@ -267,6 +284,7 @@ class SlotAllocator:
             raise RuntimeError(f"{self.owner} lane slot {lane.slot} is not open")
         del self._open[lane.slot]
         lane.length = 0
+        lane.conv_at.clear()
         longest = max((other.length for other in self._open.values()), default=0)
         for pool in self.pools:
             pool.shrink(longest)

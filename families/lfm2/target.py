@@ -78,6 +78,9 @@ class Lfm2Target:
         model.merge_projections()
         self.config = config
         self.max_lanes = max_lanes
+        # Positions at whose multiples each lane keeps its conv state (0: none); a prefix
+        # cache sets it to its block size.
+        self.boundary_every = 0
         self.dtype = model.embed_tokens.weight.dtype if hasattr(model.embed_tokens, "weight") else mx.float16
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized table: use its scales' type
             self.dtype = model.embed_tokens.scales.dtype
@@ -253,6 +256,9 @@ class Lfm2Target:
         for lane, k, w in zip(record.lanes, kept_sorted, record.layout.widths):
             if not 1 <= k <= w:
                 raise ValueError(f"a lane keeps {k} of {w} rows; it must keep between 1 and all")
+        if self.boundary_every:
+            self._record_boundaries(record, kept_sorted)
+        for lane, k in zip(record.lanes, kept_sorted):
             lane.length += k
         self._conv_version += 1
         if record.conv_kept and record.conv_version == self._conv_version - 1:
@@ -272,6 +278,42 @@ class Lfm2Target:
             for i, window in record.conv_windows.items():
                 state = window[:, -span:] if pick is None else mx.take_along_axis(window, pick, axis=1)
                 self.conv[i].write(slots, record.layout, state)
+
+    def _record_boundaries(self, record: RoundRecord, kept: list[int]) -> None:
+        """Keep each lane's conv states at the block boundaries its kept rows cross: after
+        keeping k rows a conv state is window rows k .. k + L-2. Copied and launched now,
+        so the round's windows are not held past its evaluation."""
+        span, every = self.config.conv_kernel - 1, self.boundary_every
+        for row, (lane, k) in enumerate(zip(record.lanes, kept)):
+            for boundary in range(-(-(lane.length + 1) // every) * every, lane.length + k + 1, every):
+                rows = boundary - lane.length
+                windows = [record.conv_windows[i][row, rows : rows + span] for i in self.config.conv_layers]
+                state = mx.stack(windows) if windows else mx.zeros((0, span, self.config.hidden_size), self.dtype)
+                lane.conv_at[boundary] = state
+                mx.async_eval(state)
+
+    def prefix_rows(self, lane: LaneSlot, start: int, end: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Copies of what a lane holds for positions start..end-1: keys and values
+        `[attention layers, kv_heads, n, D]` and the conv states after position end-1
+        `[conv layers, L-1, H]` (lazy). `end` must be a boundary the lane recorded."""
+        if end not in lane.conv_at:
+            raise KeyError(f"no conv state was recorded at position {end} of slot {lane.slot}")
+        rows = [self.kv[i].rows(lane.slot, start, end) for i in self.config.attention_layers]
+        return mx.stack([k for k, _ in rows]), mx.stack([v for _, v in rows]), lane.conv_at[end]
+
+    def restore_prefix(self, lane: LaneSlot, keys: mx.array, values: mx.array, conv: mx.array) -> None:
+        """Start a fresh lane from a prefix of n tokens read before (see `prefix_rows`):
+        its K/V rows at positions 0..n-1 and the conv states after position n-1."""
+        if lane.length:
+            raise ValueError(f"slot {lane.slot} already holds {lane.length} tokens; a prefix restores into a fresh lane only")
+        n = keys.shape[2]
+        for j, i in enumerate(self.config.attention_layers):
+            self.kv[i].put(lane.slot, keys[j], values[j])
+        for j, i in enumerate(self.config.conv_layers):
+            self.conv[i].state[lane.slot] = conv[j].astype(self.dtype)
+        self._conv_version += 1
+        lane.length = n
+        lane.conv_at[n] = conv
 
     def prefill(self, lane: LaneSlot, tokens: list[int], chunk: int = 512, taps: tuple[int, ...] = ()):
         """Read a prompt in chunks; returns the last row's logits `[V]` and, with `taps`

@@ -144,6 +144,25 @@ class DSparkDrafter:
         per_token = sum(pool.nbytes_per_position() for pool in self.kv) // self.max_lanes
         return per_token * self.slots.committed_tokens()
 
+    def context_rows(self, lane: LaneSlot, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Copies of a lane's context keys and values at positions start..end-1,
+        `[layers, kv_heads, n, D]` (lazy)."""
+        if end > lane.length:
+            raise ValueError(f"drafter slot {lane.slot} holds {lane.length} context rows, not {end}")
+        rows = [pool.rows(lane.slot, start, end) for pool in self.kv]
+        return mx.stack([k for k, _ in rows]), mx.stack([v for _, v in rows])
+
+    def restore_context(self, lane: LaneSlot, tokens: list[int], keys: mx.array, values: mx.array) -> None:
+        """Start a fresh lane's context from the rows of `tokens` read before (see
+        `context_rows`)."""
+        if lane.length:
+            raise ValueError(f"drafter slot {lane.slot} already holds {lane.length} rows; a prefix restores into a fresh lane only")
+        if keys.shape[2] != len(tokens):
+            raise ValueError(f"drafter slot {lane.slot}: {keys.shape[2]} context rows for {len(tokens)} tokens")
+        for j, pool in enumerate(self.kv):
+            pool.put(lane.slot, keys[j], values[j])
+        lane.length = keys.shape[2]
+
     def validate(self, proposal: Proposal) -> list[DraftError | None]:
         """Per-lane problems of an evaluated proposal (see `validate_proposal`)."""
         return validate_proposal(proposal)
