@@ -170,21 +170,21 @@ def save_tensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None
 
 
 def checked_target_config(kind: str, shape: TinyShape, dtype: str) -> dict:
-    """The config.json `shape` would write, refused (ValueError naming the field) where
+    """The config.json `shape` would write, refused (CheckpointError naming the field) where
     laneserve would refuse to load it or the tiny maker cannot build it."""
     config = target_config(kind, shape, dtype)
     try:
         Lfm2Config.from_dict(config)
     except CheckpointError as e:
-        raise ValueError(f"refusing to write a checkpoint laneserve cannot load: {e}") from None
+        raise CheckpointError(f"refusing to write a checkpoint laneserve cannot load: {e}") from None
     if shape.vocab < len(SPECIAL_TOKENS) + 256:
-        raise ValueError(f"vocab must be at least {len(SPECIAL_TOKENS) + 256} (special tokens + 256 bytes), got {shape.vocab}")
+        raise CheckpointError(f"vocab must be at least {len(SPECIAL_TOKENS) + 256} (special tokens + 256 bytes), got {shape.vocab}")
     widths = {"ffn": shape.ffn} if kind == "lfm2" or shape.dense_layers > 0 else {}
     if kind == "lfm2_moe":
         widths["expert_ffn"] = shape.expert_ffn
     bad = {name: width for name, width in widths.items() if width < 1}
     if bad:
-        raise ValueError(f"FFN widths must be >= 1, got {bad}")
+        raise CheckpointError(f"FFN widths must be >= 1, got {bad}")
     return config
 
 
@@ -193,7 +193,7 @@ def write_checkpoint(out: str | Path, write: Callable[[Path], None]) -> Path:
     `out`: a failure midway leaves no partial checkpoint behind."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"output path {out} is a file, not a directory")
+        raise NotADirectoryError(f"output path {out} is a file, not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -90,7 +90,7 @@ def make_tiny_drafter(
     target = Lfm2Config.from_dir(target_dir)
     mask = ChatTokenizer(target_dir).token_to_id(MASK_TOKEN)
     if mask is None:
-        raise ValueError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
+        raise CheckpointError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
     pairing = {
         "mask_token_id": mask,
         "target_layer_ids": default_taps(target.num_layers) if taps is None else list(taps),
@@ -128,7 +128,7 @@ def make_tiny_drafter(
     try:  # refuse, before writing anything, what load_drafter would refuse for this target
         check_pairing(DSparkConfig.from_dict(config), target)
     except CheckpointError as e:
-        raise ValueError(f"refusing to write a drafter laneserve cannot load: {e}") from None
+        raise CheckpointError(f"refusing to write a drafter laneserve cannot load: {e}") from None
 
     def write(folder: Path) -> None:
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
