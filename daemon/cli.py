@@ -3,8 +3,10 @@
     laneserve generate [--model DIR] (--prompt TEXT | --chat TEXT | --prompt-ids 1,2,3) --max-tokens N ...
     laneserve make-tiny --kind lfm2|lfm2_moe|dspark --out DIR --seed N ...
 
-Errors a user can act on (a malformed checkpoint, a request past the context limit) are
-printed as one line naming the problem, with exit status 2, not as a traceback.
+Exit status: 0 done; 2 an error the user can act on (a bad flag, a malformed checkpoint,
+a prompt the model cannot take, a file or port the system refuses), printed as one line
+naming the problem; 70 (sysexits' EX_SOFTWARE) any other exception, which is a bug in
+laneserve: one line saying so, and its traceback under --log-level DEBUG.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 
 import mlx.core as mx
 
@@ -25,16 +28,23 @@ from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.client import EngineClient
-from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
+from lanes.engine import Engine, EngineConfig, RequestError
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
 
 from .serve import add_serve
-from .service import add_service
+from .service import ServiceError, add_service
 
 
 class UsageError(Exception):
     """A command line that cannot be served as given."""
+
+
+# What a user can cause and fix. Only these are reported as the user's: a ValueError or
+# RuntimeError from deep inside is laneserve's own fault and must not read as a bad flag.
+USER_ERRORS = (UsageError, CheckpointError, RequestError, ServiceError, OSError)
+USER_ERROR = 2
+INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -110,6 +120,9 @@ def open_drafter(args, loaded):
         args.draft_model, loaded.target.model, loaded.target.config, dtype=args.dtype, bits=args.drafter_bits,
         max_lanes=loaded.target.max_lanes,
     )
+    widest = drafter.config.max_width + 1  # the anchor and every proposal the drafter was trained for
+    if args.draft_width is not None and not 2 <= args.draft_width <= widest:
+        raise UsageError(f"--draft-width must be within 2..{widest} (anchor + up to {widest - 1} drafts), got {args.draft_width}")
     logging.getLogger("laneserve").info(
         "drafter %s: %d proposals per round, %s weights", args.draft_model, drafter.width,
         f"{args.drafter_bits}-bit quantized" if args.drafter_bits else "released",
@@ -124,7 +137,11 @@ def sampling_params(args) -> SamplingParams:
     for field in SAMPLING_KEYS:
         if getattr(args, field) is not None:
             chosen[field] = getattr(args, field)
-    return SamplingParams(**chosen, seed=args.seed)
+    try:
+        return SamplingParams(**chosen, seed=args.seed)
+    except ValueError as e:  # a flag: the file's values were checked as it was read
+        field, _, problem = str(e).partition(" ")  # SamplingParams' messages start with the field's name
+        raise UsageError(f"--{field.replace('_', '-')} {problem}") from None
 
 
 def run_generate(args) -> int:
@@ -143,7 +160,10 @@ def run_generate(args) -> int:
         if bad:
             raise UsageError(f"--prompt-ids holds ids outside the vocabulary (0..{loaded.target.vocab_size - 1}): {bad}")
     elif chat is not None:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": chat}])
+        try:
+            prompt = tokenizer.encode_chat([{"role": "user", "content": chat}])
+        except ValueError as e:  # the checkpoint has no chat template, or its template refuses the message
+            raise UsageError(f"--chat: {e}") from None
     else:
         prompt = tokenizer.encode(raw)
     drafter = open_drafter(args, loaded)
@@ -152,14 +172,14 @@ def run_generate(args) -> int:
     client.start(warm_up=drafter is not None and args.draft_width is None and not args.no_draft)
     try:
         if not client.wait_ready():
-            raise UsageError(f"the engine failed to start: {client.health().error}")
+            raise RuntimeError(f"the engine failed to start: {client.health().error}")
         started = time.perf_counter()
         done = client.generate([Request(prompt, args.max_tokens, sampling, stops, draft=not args.no_draft)])[0]
         seconds = time.perf_counter() - started
     finally:
         client.shutdown(0)
-    if done.error:
-        raise UsageError(done.error)
+    if done.error:  # past submit's checks, a lane ends in error only on an engine fault (logged where it happened)
+        raise RuntimeError(f"the engine failed the request: {done.error}")
     if args.json:
         result = {
             "token_ids": done.token_ids,
@@ -238,9 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_logging(args.log_level)
         return args.run(args)
-    except (CheckpointError, RequestError, QueueFull, UsageError, ValueError, OSError) as e:
+    except USER_ERRORS as e:
         print(f"laneserve: error: {e}", file=sys.stderr)
-        return 2
+        return USER_ERROR
+    except Exception as e:
+        return report_bug(e, with_traceback=args.log_level.upper() == "DEBUG")
+
+
+def report_bug(error: Exception, with_traceback: bool) -> int:
+    """Anything outside USER_ERRORS. The flag, not the root logger's level, decides the
+    traceback: basicConfig leaves a root logger already configured (by an embedding
+    program, or pytest) as it is."""
+    if with_traceback:
+        traceback.print_exception(error, file=sys.stderr)
+    hint = "" if with_traceback else "; rerun with --log-level DEBUG for the traceback"
+    print(f"laneserve: internal error (a bug in laneserve, please report it): {type(error).__name__}: {error}{hint}",
+          file=sys.stderr)
+    return INTERNAL_ERROR
 
 
 def exit_process(code: int) -> None:

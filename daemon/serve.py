@@ -135,9 +135,11 @@ async def serve(args, config: ServerConfig, build_engine=Engine) -> int:
     server.attach(serving)
     while not stop.is_set() and not serving.client.ready:
         if not serving.client.health().alive:
+            from .cli import INTERNAL_ERROR
+
             log.error("the engine thread stopped while warming up: %s", serving.client.health().error)
             await server.close()
-            return 1
+            return INTERNAL_ERROR
         await asyncio.sleep(0.05)
     if not stop.is_set():
         log.info("serving on %s", address)

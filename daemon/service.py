@@ -45,8 +45,8 @@ ENVIRONMENT = {"PYTHONUNBUFFERED": "1"}  # log lines reach the log files as they
 
 
 class ServiceError(ValueError):
-    """A service command that cannot be carried out as given (a ValueError, so the command
-    line prints it as one line)."""
+    """A service command that cannot be carried out as given (the command line prints it
+    as one line, exit status 2)."""
 
 
 # ---- what a command does: steps printed by --dry-run or carried out -------------------

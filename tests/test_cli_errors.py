@@ -1,6 +1,8 @@
 """Every bad input to the command line ends in one line, `laneserve: error: ...`, naming the
-problem, and exit status 2: no traceback. Each case runs the real command line in-process
-(`daemon.cli.main`); one runs it as a subprocess to show what a shell sees."""
+problem, and exit status 2: no traceback. Any other exception is a bug, reported as one
+`laneserve: internal error` line with exit status 70, its traceback only under
+--log-level DEBUG. Each case runs the real command line in-process (`daemon.cli.main`); one
+runs it as a subprocess to show what a shell sees."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import families.lfm2.loader as loader
 import families.lfm2.tiny as tiny
-from daemon.cli import main
+from daemon.cli import INTERNAL_ERROR, main
+from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.round import RoundRunner
 
 # What Python makes of the argv bytes ff fe, which are not UTF-8 (surrogate escapes).
 NOT_UTF8 = b"\xff\xfe".decode("utf-8", "surrogateescape")
@@ -30,6 +35,18 @@ def refused(argv, capsys, *named: str) -> str:
     for name in named:
         assert name in lines[0], lines[0]
     return lines[0]
+
+
+def reported_as_a_bug(argv, capsys, *named: str) -> str:
+    """Run `laneserve argv`; it must exit INTERNAL_ERROR, its last line saying so and naming
+    every string in `named`, never the user's `laneserve: error:`. Returns stderr."""
+    assert main([str(a) for a in argv]) == INTERNAL_ERROR
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]
+    assert last.startswith("laneserve: internal error (a bug in laneserve") and "laneserve: error:" not in err, err
+    for name in named:
+        assert name in last, last
+    return err
 
 
 def generated(argv, capsys) -> dict:
@@ -65,6 +82,28 @@ def test_stop_string_that_is_not_utf8(dense_dir, capsys):
     refused(["generate", "--model", dense_dir, "--prompt", "hi", "--stop", "a" + NOT_UTF8], capsys, "--stop is not valid UTF-8")
 
 
+@pytest.mark.parametrize("flag, value, named", [
+    ("--temperature", "-1", "--temperature must be a finite number >= 0, got -1.0"),
+    ("--top-p", "1.5", "--top-p must be in (0, 1], got 1.5"),
+    ("--top-k", "-2", "--top-k must be >= 0"),
+    ("--min-p", "1", "--min-p must be in [0, 1)"),
+    ("--repetition-penalty", "0", "--repetition-penalty must be a finite number > 0"),
+])
+def test_sampling_flag_out_of_range(dense_dir, capsys, flag, value, named):
+    refused(["generate", "--model", dense_dir, "--prompt", "hi", flag, value], capsys, named)
+
+
+def test_prompt_ids_outside_the_vocabulary(dense_dir, capsys):
+    refused(["generate", "--model", dense_dir, "--prompt-ids", "5,512,9"], capsys, "outside the vocabulary (0..511)", "[512]")
+
+
+def test_prompt_past_the_context_limit(tmp_path, capsys):
+    short = make_tiny_target(tmp_path / "short", "lfm2", seed=1, shape=TinyShape(max_position=16))
+    ids = ",".join(str(i) for i in range(20, 40))
+    refused(["generate", "--model", short, "--prompt-ids", ids, "--max-tokens", "4"], capsys,
+            "maximum context length is 16 tokens", "the prompt has 20")
+
+
 def test_unknown_log_level(dense_dir, capsys):
     refused(["--log-level", "BOGUS", "generate", "--model", dense_dir, "--prompt", "hi"], capsys, "--log-level 'BOGUS'")
 
@@ -87,6 +126,38 @@ def test_the_subprocess_sees_one_line_and_status_2(dense_dir):
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == "laneserve: error: --prompt is not valid UTF-8 (byte 0xff at character 0)"
     assert "Traceback" not in done.stderr
+
+
+# --- generate: bugs, not the user's doing -----------------------------------------------------
+
+
+@pytest.fixture
+def loading_bug(monkeypatch):
+    def broken(raw, cfg):
+        raise ValueError("boom deep inside loading")
+
+    monkeypatch.setattr(loader, "canonical_names", broken)
+
+
+def test_an_internal_error_is_reported_as_a_bug_not_a_usage_error(dense_dir, capsys, loading_bug):
+    err = reported_as_a_bug(["generate", "--model", dense_dir, "--prompt", "hi"], capsys,
+                            "ValueError: boom deep inside loading", "rerun with --log-level DEBUG")
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_its_traceback_shows_under_log_level_debug(dense_dir, capsys, loading_bug):
+    err = reported_as_a_bug(["--log-level", "DEBUG", "generate", "--model", dense_dir, "--prompt", "hi"], capsys,
+                            "ValueError: boom deep inside loading")
+    assert "Traceback" in err and "in broken" in err, err
+
+
+def test_an_engine_fault_is_reported_as_a_bug(dense_dir, capsys, monkeypatch):
+    def broken(self, lanes, chunks):
+        raise RuntimeError("boom in the engine thread")
+
+    monkeypatch.setattr(RoundRunner, "prefill", broken)
+    reported_as_a_bug(["generate", "--model", dense_dir, "--prompt", "hi"], capsys,
+                      "the engine failed the request", "RuntimeError: boom in the engine thread")
 
 
 # --- generate: the checkpoints ----------------------------------------------------------------
