@@ -26,8 +26,8 @@ server counts them the deltas of its speculative-decoding counters and rounds by
 (bench/serving_metrics.py has the arithmetic; bench/openai_stream.py how tokens are
 counted per SSE chunk). Writes under --out: bench_concurrent.json (every cell, and per
 server / draft / streams the median, min and max over rounds), bench_concurrent.md (a
-table) and bench_concurrent.png (plots); the JSON is rewritten after every cell, so a run
-cut short leaves what it measured.
+table) and bench_concurrent.png (plots), each with the command, commit and machine; the
+JSON is rewritten after every cell, so a run cut short leaves what it measured.
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
-import platform
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -50,7 +47,15 @@ import aiohttp
 from .concurrent_report import markdown, summarize, write_report
 from .openai_stream import RequestSpec, Sampling, scrape, stream, token_counting
 from .prompts import load_prompts
-from .serving_metrics import RequestRecord, cell_metrics, counter_deltas, has_spec_decode, rounds_by_kind, spec_decode_metrics
+from .provenance import provenance
+from .serving_metrics import (
+    RequestRecord,
+    cell_metrics,
+    counter_deltas,
+    has_spec_decode,
+    rounds_by_kind,
+    spec_decode_metrics,
+)
 
 
 @dataclass(frozen=True)
@@ -211,9 +216,7 @@ async def run(args) -> dict:
                   f"tokens per chunk from {s.counting}", file=sys.stderr)
         settings = settings_of(servers, args.draft)
         result = {
-            "command": args.command,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+            **args.provenance,
             "servers": [{"label": s.label, "url": s.url, "metrics": s.has_metrics, "drafting": s.drafting,
                          "token_counting": s.counting} for s in servers],
             "settings": [s.label for s in settings],
@@ -270,7 +273,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    args.command = "python -m bench.bench_concurrent " + shlex.join(sys.argv[1:] if argv is None else argv)
+    args.provenance = provenance(sys.argv[1:] if argv is None else argv, __spec__.name)
     result = asyncio.run(run(args))
     print(markdown(result))
 

@@ -14,23 +14,21 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
   (as `laneserve generate` runs it), plain and drafted alternated per prompt.
 
 Every drafted output is checked against the plain one. Writes default.json and
-default.md (default-sampled.* with `--sampled`) under --out, each with its command.
+default.md (default-sampled.* with `--sampled`) under --out, each with its command, commit
+and machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import mlx.core as mx
-
 from bench.prompt_lookup import PromptLookupDrafter
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.config import generation_defaults
@@ -55,6 +53,7 @@ def timed(engine: Engine, prompt: list[int], max_tokens: int, sampling: Sampling
 
 
 def run(args) -> dict:
+    record = provenance()
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
     target = loaded.target
     dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
@@ -90,8 +89,7 @@ def run(args) -> dict:
             seconds[name] += spent
             accepted[name] += done.draft.accepted_per_round
     sampling = {k: v for k, v in asdict(samplings[0]).items() if k != "seed"}
-    result = {"command": "python -m bench.bench_default " + shlex.join(sys.argv[1:]), "device": str(mx.default_device()),
-              "model": str(args.model), "drafter": str(args.drafter), "prompts": len(prompts), "max_tokens": args.max_tokens,
+    result = {**record, "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "engines": {}}
     for name in engines:
         result["engines"][name] = {
@@ -106,10 +104,10 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     sampling = result["sampling"] if result["sampling"] == "greedy" else "sampled at " + ", ".join(f"{k} {v:g}" for k, v in result["sampling"].items())
     lines = [
-        f"    {result['command']}",
+        markdown_line(result),
         "",
-        f"Device: {result['device']}; {result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
-        f"one stream; verify width {result['width']}; drafted outputs equal plain: {result['exact']}.",
+        (f"{result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
+        f"one stream, {result['dtype']}; verify width {result['width']}; drafted outputs equal plain: {result['exact']}."),
         "",
         "| engine | tok/s | vs plain | accepted drafts per drafted round |",
         "|---|---:|---:|---:|",

@@ -13,7 +13,7 @@ warm-up, everything evaluated to completion:
 - a verify forward of w = 1..W rows per lane (uncommitted, so the context stays put),
   as milliseconds and as a ratio to w = 1.
 
-Writes drafting.json and drafting.md under --out.
+Writes drafting.json and drafting.md under --out, each with its command, commit and machine.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 
@@ -43,66 +44,73 @@ def timed(build, repeats: int) -> float:
 
 
 def run(args) -> dict:
+    record = provenance()
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes))
     target = loaded.target
     drafter = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=max(args.lanes))
     g = drafter.width
     rng = np.random.default_rng(0)
-    result = {"model": args.model, "drafter": args.drafter, "context": args.context, "proposals": g,
-              "device": str(mx.default_device()), "lanes": {}}
+    result = {**record, "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",
+              "context": args.context, "proposals": g, "repeats": args.repeats, "lanes": {}}
     for lanes in args.lanes:
-        slots = [target.open_lane() for _ in range(lanes)]
-        drafter_slots = [drafter.open_lane() for _ in range(lanes)]
-        prompts = [[int(t) for t in rng.integers(20, 4000, args.context)] for _ in range(lanes)]
-        for slot, dslot, prompt in zip(slots, drafter_slots, prompts):
-            _, taps = target.prefill(slot, prompt, chunk=512, taps=drafter.tap_layers)
-            drafter.append([dslot], [taps], [prompt])
-        mx.eval(drafter.state_arrays())
-        anchors = [p[-1] for p in prompts]
-        one_row = mx.zeros((1, taps.shape[1]), dtype=taps.dtype)
-
-        def plain_step():
-            out = target.forward(slots, [[a] for a in anchors], taps=drafter.tap_layers)
-            return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
-
-        def drafting_round():
-            # A committed row per lane joins the context (uncounted afterwards: lengths are
-            # restored below), then the batched proposal.
-            drafter.append(drafter_slots, [one_row] * lanes, [[0]] * lanes)
-            proposal = drafter.propose(drafter_slots, anchors, g)
-            for d in drafter_slots:
-                d.length -= 1
-            return [*proposal.arrays(), *drafter.state_arrays()]
-
-        def verify(width):
-            def build():
-                out = target.forward(slots, [[a] * width for a in anchors], taps=drafter.tap_layers)
-                return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
-            return build
-
-        plain = timed(plain_step, args.repeats)
-        draft = timed(drafting_round, args.repeats)
-        widths = {w: timed(verify(w), args.repeats) for w in range(1, g + 2)}
-        result["lanes"][lanes] = {
-            "plain_step_ms": plain * 1e3,
-            "drafting_round_ms": draft * 1e3,
-            "drafting_over_plain": draft / plain,
-            "verify_ms": {w: s * 1e3 for w, s in widths.items()},
-            "verify_over_one_row": {w: s / widths[1] for w, s in widths.items()},
-        }
-        print(f"lanes {lanes}: plain {plain * 1e3:.2f} ms, drafting round {draft * 1e3:.2f} ms "
-              f"({draft / plain:.0%}), verify " + " ".join(f"{w}:{s * 1e3:.1f}" for w, s in widths.items()), flush=True)
-        for slot in slots:
-            target.close_lane(slot)
-        for slot in drafter_slots:
-            drafter.close_lane(slot)
+        r = result["lanes"][lanes] = measure(target, drafter, lanes, args.context, args.repeats, rng)
+        print(f"lanes {lanes}: plain {r['plain_step_ms']:.2f} ms, drafting round {r['drafting_round_ms']:.2f} ms "
+              f"({r['drafting_over_plain']:.0%}), verify " + " ".join(f"{w}:{ms:.1f}" for w, ms in r["verify_ms"].items()),
+              flush=True)
     return result
+
+
+def measure(target, drafter, lanes: int, context: int, repeats: int, rng) -> dict:
+    """The three costs for `lanes` lanes that have read random prompts of `context` tokens."""
+    g = drafter.width
+    slots = [target.open_lane() for _ in range(lanes)]
+    drafter_slots = [drafter.open_lane() for _ in range(lanes)]
+    prompts = [[int(t) for t in rng.integers(20, 4000, context)] for _ in range(lanes)]
+    for slot, dslot, prompt in zip(slots, drafter_slots, prompts):
+        _, taps = target.prefill(slot, prompt, chunk=512, taps=drafter.tap_layers)
+        drafter.append([dslot], [taps], [prompt])
+    mx.eval(drafter.state_arrays())
+    anchors = [p[-1] for p in prompts]
+    one_row = mx.zeros((1, taps.shape[1]), dtype=taps.dtype)
+
+    def verify(width):
+        def build():
+            out = target.forward(slots, [[a] * width for a in anchors], taps=drafter.tap_layers)
+            return [out.logits.argmax(axis=-1), out.taps, *target.state_arrays()]
+        return build
+
+    def drafting_round():
+        # A committed row per lane joins the context (uncounted afterwards: lengths are
+        # restored below), then the batched proposal.
+        drafter.append(drafter_slots, [one_row] * lanes, [[0]] * lanes)
+        proposal = drafter.propose(drafter_slots, anchors, g)
+        for d in drafter_slots:
+            d.length -= 1
+        return [*proposal.arrays(), *drafter.state_arrays()]
+
+    plain = timed(verify(1), repeats)  # a plain step: one row per lane
+    draft = timed(drafting_round, repeats)
+    widths = {w: timed(verify(w), repeats) for w in range(1, g + 2)}
+    for slot in slots:
+        target.close_lane(slot)
+    for slot in drafter_slots:
+        drafter.close_lane(slot)
+    return {
+        "plain_step_ms": plain * 1e3,
+        "drafting_round_ms": draft * 1e3,
+        "drafting_over_plain": draft / plain,
+        "verify_ms": {w: s * 1e3 for w, s in widths.items()},
+        "verify_over_one_row": {w: s / widths[1] for w, s in widths.items()},
+    }
 
 
 def markdown(result: dict) -> str:
     g = result["proposals"]
     lines = [
-        f"Device: {result['device']}; context {result['context']} tokens; {g} proposals per drafting round.",
+        markdown_line(result),
+        "",
+        (f"Context {result['context']} tokens; {g} proposals per drafting round; dtype {result['dtype']}; "
+        f"medians of {result['repeats']} runs after a warm-up."),
         "",
         "| lanes | plain step ms | drafting round ms | drafting / plain |",
         "|---:|---:|---:|---:|",

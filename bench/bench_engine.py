@@ -25,8 +25,8 @@ For each stream count: N distinct prompts; plain and drafted runs alternate
 its prompt until all finish) gives aggregate tokens per second; the ratio reported is
 the median over alternations of a drafted run's to the plain run's before it. Drafted
 windows are priced and the guards decide each round, as in serving. Every drafted run's
-tokens are checked against the plain run's. Writes engine.json and engine.md under --out; `--log`
-writes every round and every guard decision (the lane core's debug log) to FILE.
+tokens are checked against the plain run's. Writes engine.json and engine.md under --out,
+each with its command, commit and machine; `--log` writes every round and every guard decision (the lane core's debug log) to FILE.
 """
 
 from __future__ import annotations
@@ -35,18 +35,22 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from bench.provenance import markdown_line, provenance
+from bench.scripted import (
+    ScriptedDrafter,
+    falling_with_context_profile,
+    published_profile,
+)
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
-from bench.scripted import ScriptedDrafter, falling_with_context_profile, published_profile
 
 
 def read_prompts(engine: Engine, requests: list[Request]) -> None:
@@ -116,9 +120,10 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
 
 
 def run(args) -> dict:
-    result = {"command": " ".join(["python -m bench.bench_engine", *sys.argv[1:]]),
-              "model": args.model, "drafter": args.drafter, "device": str(mx.default_device()),
-              "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens, "streams": {}, "long_context": {}}
+    result = {**provenance(), "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",
+              "decisive": args.decisive, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+              "alternations": args.alternations, "long_gen_tokens": args.long_gen_tokens,
+              "long_alternations": args.long_alternations, "streams": {}, "long_context": {}}
     rng = np.random.default_rng(0)
     if args.streams:
         streams = Setup(args, max(args.streams))
@@ -188,20 +193,22 @@ class Setup:
 
 def markdown(result: dict) -> str:
     lines = [
-        f"- command: `{result['command']}`",
+        markdown_line(result),
+        (f"- dtype {result['dtype']}, target made decisive by {result['decisive']:g}; tok/s are medians of alternated runs, "
+        "drafted / plain the median of each drafted run's ratio to the plain run just before it"),
         "",
-        f"Device: {result['device']}; prompts of {result['prompt_tokens']} tokens, {result['gen_tokens']} generated per stream;",
-        "scripted acceptance at the published profile; tok/s are medians of alternated runs, drafted / plain the median",
-        "of each drafted run's ratio to the plain run just before it.",
-        "",
-        "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |",
-        "|---:|---:|---:|---:|:---:|---:|---:|",
     ]
+    if result["streams"]:
+        lines += [(f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
+                  f"{result['gen_tokens']} generated per stream, {result['alternations']} alternations:"), "",
+                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |",
+                  "|---:|---:|---:|---:|:---:|---:|---:|"]
     for n, r in result["streams"].items():
         lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
                      f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |")
     if result["long_context"]:
-        lines += ["", "Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on:", "",
+        lines += ["", ("Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on, "
+                  f"{result['long_gen_tokens']} generated per run, {result['long_alternations']} alternations:"), "",
                   "| context | plain tok/s | guarded drafting tok/s | ratio | drafted rounds |", "|---:|---:|---:|---:|---:|"]
         for c, r in result["long_context"].items():
             lines.append(f"| {c} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['drafted_round_share']:.0%} |")

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
-import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.provenance import markdown_line, provenance
 
 LOADERS = ("laneserve", "mlx-lm")
 
@@ -78,8 +78,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"# Load memory: {Path(result['model']).name}",
         "",
-        f"- command: `{result['command']}`",
-        f"- weights: {size / gb:.2f} GB of *.safetensors; dtype {result['dtype']}; device {result['device']}, {result['machine']}",
+        markdown_line(result),
+        f"- weights: {size / gb:.2f} GB of *.safetensors; dtype {result['dtype']}",
         "- peak RSS includes the baseline (Python, MLX and the loader imported, before loading)",
         "",
         "| loader | baseline RSS GB | peak RSS GB | peak RSS / files | (peak - baseline) / files | MLX peak GB | MLX peak / files |",
@@ -106,18 +106,15 @@ def main() -> None:
         child(args.model, args.child, args.dtype)
         return
 
-    import mlx.core as mx
-
     from families.lfm2.loader import safetensors_files
 
+    record = provenance()
     loads = {loader: measure(args.model, loader, args.dtype) for loader in args.loaders.split(",")}
     result = {
-        "command": "python -m bench.bench_load_memory " + shlex.join(sys.argv[1:]),
+        **record,
         "model": args.model,
         "dtype": args.dtype or "as stored",
         "file_bytes": sum(f.stat().st_size for f in safetensors_files(Path(args.model))),
-        "device": str(mx.default_device()),
-        "machine": f"{platform.machine()} {platform.system()}",
         "loads": loads,
     }
     print(markdown(result))

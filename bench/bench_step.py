@@ -23,7 +23,8 @@ and reported as the median milliseconds of its steps with the spread of the turn
 medians. `ops` counts the primitives in one step's graph (as `mx.export_to_dot` sees
 them: under `mx.compile` a fused elementwise chain is one); `kernels` leaves out the
 ones that only make views (reshape, slice, broadcast, ...), which launch nothing.
-Writes NAME.json and NAME.md under --out when given.
+Writes NAME.json and NAME.md under --out when given, each with its command, commit and
+machine.
 """
 
 from __future__ import annotations
@@ -31,12 +32,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
-import shlex
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +41,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from bench.provenance import markdown_line, provenance
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 
 # Primitives that produce views of their input and launch no kernel.
@@ -170,12 +168,12 @@ class System:
 
 
 def run(args, saved=lambda result: None) -> dict:
+    record = provenance()
     systems = [System(pkg, args) for pkg in args.families]
     vocab = systems[0].target.vocab_size
     rng = np.random.default_rng(0)
-    result = {"command": " ".join(shlex.quote(a) for a in sys.argv), "model": args.model, "drafter": args.drafter,
-              "dtype": args.dtype, "context": args.context, "seconds": args.seconds, "turns": args.turns,
-              "device": str(mx.default_device()), "commit": commit(), "families": args.families, "lanes": {}}
+    result = {**record, "model": args.model, "drafter": args.drafter, "dtype": args.dtype, "context": args.context,
+              "seconds": args.seconds, "turns": args.turns, "families": args.families, "lanes": {}}
     for lanes in args.lanes:
         prompts = [[int(t) for t in rng.integers(20, min(4000, vocab), args.context)] for _ in range(lanes)]
         steps, cell = {}, {}
@@ -237,16 +235,10 @@ def reserve_check(systems: list[System], args, rng) -> dict:
     return out
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT", "unknown")
-
-
 def markdown(result: dict) -> str:
-    lines = [f"`{result['command']}` at {result['commit']} on {result['device']}, context {result['context']}, "
-             f"{result['turns']} turns of {result['seconds']} s", "",
+    lines = [markdown_line(result), "",
+             (f"Context {result['context']}, dtype {result['dtype'] or 'as stored'}, {result['turns']} turns of "
+             f"{result['seconds']} s per system; families packages: {', '.join(result['families'])}"), "",
              "| lanes | system | median ms | spread of turn medians | process CPU ms | ops | kernels |", "|---|---|---|---|---|---|---|"]
     for lanes, cell in result["lanes"].items():
         for name, c in cell.items():

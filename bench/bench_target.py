@@ -26,11 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -42,6 +38,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
 from bench.bench_engine import read_prompts
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import open_target
 from families.lfm2.loader import DTYPES
 from lanes.engine import Engine, EngineConfig
@@ -128,6 +125,7 @@ def load_mlx_lm(path: str, dtype: str | None):
 
 
 def run(args) -> dict:
+    record = provenance()
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths))
     systems = {"laneserve": LaneserveDecode(loaded, max(args.widths)), "mlx_lm": MlxLmDecode(load_mlx_lm(args.model, args.dtype), args.chunk)}
     vocab = loaded.target.vocab_size
@@ -135,7 +133,7 @@ def run(args) -> dict:
     load_before = os.getloadavg()[0]
     rows = []
     for n in args.widths:
-        make_prompts = lambda: rng.integers(16, vocab, size=(n, args.prompt_tokens)).tolist()
+        make_prompts = lambda n=n: rng.integers(16, vocab, size=(n, args.prompt_tokens)).tolist()
         first = make_prompts()
         tokens = {name: system.batch(first, args.gen_tokens)[2] for name, system in systems.items()}  # untimed
         agree = sum(a == b for a, b in zip(tokens["laneserve"], tokens["mlx_lm"]))
@@ -154,7 +152,7 @@ def run(args) -> dict:
             row[f"{name}_tok_s"] = spread([r["tok_s"] for r in runs[name]])
         rows.append(row)
     return {
-        "command": "python -m bench.bench_target " + shlex.join(sys.argv[1:]),
+        **record,
         "model": str(args.model),
         "model_type": loaded.target.config.model_type,
         "dtype": args.dtype or "as stored",
@@ -162,11 +160,7 @@ def run(args) -> dict:
         "gen_tokens": args.gen_tokens,
         "min_seconds": args.min_seconds,
         "alternations": args.alternations,
-        "device": str(mx.default_device()),
-        "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
-        "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
-        "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip(),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: contention
         "rows": rows,
@@ -182,12 +176,11 @@ def markdown(result: dict) -> str:
     lines = [
         f"# laneserve's engine vs mlx-lm {result['mlx_lm']} BatchGenerator: {Path(result['model']).name}",
         "",
-        f"- command: `{result['command']}`",
-        f"- model: {result['model_type']}, dtype {result['dtype']}; device {result['device']}, {result['machine']}; "
-        f"mlx {result['mlx']}; laneserve commit {result['commit']}; peak MLX memory {result['peak_memory_gb']:.2f} GB",
-        f"- decode only: prompts of {result['prompt_tokens']} tokens read untimed, then {result['gen_tokens']} timed tokens "
+        markdown_line(result),
+        f"- model: {result['model_type']}, dtype {result['dtype']}; peak MLX memory {result['peak_memory_gb']:.2f} GB",
+        (f"- decode only: prompts of {result['prompt_tokens']} tokens read untimed, then {result['gen_tokens']} timed tokens "
         f"per lane; each run at least {result['min_seconds']} s of decode; {result['alternations']} alternations; "
-        "median [min-max] over alternations; the ratio is taken per alternation",
+        "median [min-max] over alternations; the ratio is taken per alternation"),
         f"- 1-minute load average before / after: {result['load_average'][0]:.2f} / {result['load_average'][1]:.2f}",
         "- 'agree': lanes whose greedy tokens are identical in both systems (first batch of each width)",
         "",

@@ -14,7 +14,7 @@ decode time (capable / plain):
   no folds), which is plain work on both sides: its spread is the machine's noise.
 
 The target is made decisive as in bench_engine (see there). Writes upkeep.json and
-upkeep.md under --out.
+upkeep.md under --out, each with its command, commit and machine.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 from bench.bench_engine import make_decisive, read_prompts
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.bands import Band
@@ -89,6 +87,7 @@ def main() -> None:
     p.add_argument("--alternations", type=int, default=4)
     p.add_argument("--decisive", type=float, default=1 / 32)
     args = p.parse_args()
+    record = provenance()
 
     loaded = open_target(args.model, max_lanes=1)
     target = loaded.target
@@ -97,8 +96,8 @@ def main() -> None:
     plain = Engine(target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=1))
     plain.warm_up()
     prompt = [5 + (7 * j) % 3000 for j in range(args.context)]
-    result = {"command": " ".join(["python -m bench.bench_upkeep", *sys.argv[1:]]), "device": str(mx.default_device()),
-              "context": args.context, "gen_tokens": args.gen_tokens, "comparisons": {}}
+    result = {**record, "model": args.model, "drafter": args.drafter, "context": args.context, "gen_tokens": args.gen_tokens,
+              "alternations": args.alternations, "decisive": args.decisive, "comparisons": {}}
     for name, runner in (("upkeep", RoundRunner), ("control", HiddenDrafter)):
         capable = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1),
                          rounds=runner(target, drafter, guard=NeverDraft()))
@@ -112,8 +111,8 @@ def main() -> None:
         result["comparisons"][name] = {"ratios": ratios, "median": statistics.median(ratios)}
         print(f"{name}: capable / plain decode time {[round(r, 3) for r in ratios]}, median {statistics.median(ratios):.3f}", flush=True)
 
-    lines = [f"- command: `{result['command']}`", "",
-             f"Device: {result['device']}; one lane, context {args.context}, {args.gen_tokens} tokens per run.", "",
+    lines = [markdown_line(result), "",
+             f"One lane, context {args.context}, {args.gen_tokens} tokens per run, {args.alternations} alternations.", "",
              "| comparison | capable / plain decode time, per alternation | median |", "|---|---|---:|"]
     for name, r in result["comparisons"].items():
         lines.append(f"| {name} | {', '.join(f'{x:.3f}' for x in r['ratios'])} | {r['median']:.3f} |")

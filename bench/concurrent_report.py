@@ -9,12 +9,13 @@ other) and then its median, min and max over rounds.
 
 from __future__ import annotations
 
-import statistics
 import json
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
 
+from .provenance import markdown_line
 from .serving_metrics import spread
 
 SUMMARY_KEYS = (
@@ -62,20 +63,19 @@ def markdown(result: dict) -> str:
     lines = [
         "# bench_concurrent",
         "",
-        f"- command: `{result['command']}`",
-        f"- started {result['started']} on {result['machine']}",
-        f"- {result['prompt_count']} prompts ({result['prompts']}, {'distinct per request' if result['distinct'] else 'all the same'}), "
-        f"{result['endpoint']} endpoint, max_tokens {result['max_tokens']}, temperature {result['temperature']}",
-        f"- cells of at least {result['min_seconds']} s with the streams full, {result['rounds_run']} round(s) of "
+        markdown_line(result),
+        (f"- {result['prompt_count']} prompts ({result['prompts']}, {'distinct per request' if result['distinct'] else 'all the same'}), "
+        f"{result['endpoint']} endpoint, max_tokens {result['max_tokens']}, temperature {result['temperature']}"),
+        (f"- cells of at least {result['min_seconds']} s with the streams full, {result['rounds_run']} round(s) of "
         f"{result['rounds']} asked; each figure is the "
         "median over rounds [min-max]; 'vs base' is the per-round ratio of output tok/s to "
-        f"`{result['baseline']}` at the same streams",
+        f"`{result['baseline']}` at the same streams"),
         "- servers: " + "; ".join(f"{s['label']} {s['url']} (/metrics {'yes' if s['metrics'] else 'no'}, "
                                   f"drafting {'counted' if s['drafting'] else 'not counted'}, tokens per chunk from {s['token_counting']})"
                                   for s in result["servers"]),
         "",
-        "| setting | streams | output tok/s | vs base | per stream tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-        "| TPOT mean ms | accepted % | accept length | failed |",
+        ("| setting | streams | output tok/s | vs base | per stream tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| TPOT mean ms | accepted % | accept length | failed |"),
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for e in result["summary"]:
@@ -88,8 +88,8 @@ def markdown(result: dict) -> str:
         )
     drafted = [e for e in result["summary"] if e["spec_decode_per_position_acceptance_rates"]]
     if drafted:
-        lines += ["", "Acceptance per draft position (share of drafts whose k-th draft was accepted; median over rounds), "
-                  "and rounds by kind over all rounds:", "",
+        lines += ["", ("Acceptance per draft position (share of drafts whose k-th draft was accepted; median over rounds), "
+                  "and rounds by kind over all rounds:"), "",
                   "| setting | streams | per position | rounds by kind |", "| --- | ---: | --- | --- |"]
         for e in drafted:
             rates = ", ".join(f"{r:.2f}" for r in e["spec_decode_per_position_acceptance_rates"])
@@ -118,7 +118,7 @@ def plot(result: dict, path: Path) -> None:
         dodge = 2 ** (0.03 * (i - (len(result["settings"]) - 1) / 2))  # settings side by side, so bars do not hide each other
         streams = [e["streams"] * dodge for e in entries]
 
-        def bars(key):
+        def bars(key, entries=entries):
             s = [e[key] for e in entries]
             return [x["median"] for x in s], [[x["median"] - x["min"] for x in s], [x["max"] - x["median"] for x in s]]
 

@@ -18,7 +18,7 @@ The same scores of the held-out text that really follows each prompt in the corp
 reference. The chosen setting is the most coherent one that loops no more than that
 text: the lowest nll among settings whose share of looping replies is at most the
 reference's (or, if none manages that, at most the least of any setting). Writes
-sampling.json and sampling.md under --out.
+sampling.json and sampling.md under --out, each with its command, commit and machine.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
 import statistics
-import sys
 from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,6 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.bench_default import PROMPTS, encode
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_target_dir
 from families.lfm2.train.corpus import chat_text, documents
@@ -149,10 +148,10 @@ def run(args) -> dict:
     return result
 
 
-def markdown(result: dict, command: str) -> str:
-    lines = [f"    {command}", "",
-             f"{result['prompts']} held-out prompts x {len(result['seeds'])} seeds, up to {result['max_tokens']} tokens; "
-             "rep4: repeated 4-grams; looping: replies with a 4-gram seen 4+ times; nll: nats per token under the target.", "",
+def markdown(result: dict) -> str:
+    lines = [markdown_line(result), "",
+             (f"{result['prompts']} held-out prompts x {len(result['seeds'])} seeds, up to {result['max_tokens']} tokens; "
+             "rep4: repeated 4-grams; looping: replies with a 4-gram seen 4+ times; nll: nats per token under the target."), "",
              "| setting | rep4 | looping | distinct2 | nll | tokens |", "|---|---:|---:|---:|---:|---:|"]
     if "reference" in result:
         r = result["reference"]
@@ -182,13 +181,12 @@ def main() -> None:
     p.add_argument("--min-p", type=floats, default=floats("0.05"))
     p.add_argument("--top-p", type=floats, default=floats("1"))
     args = p.parse_args()
-    command = "python -m bench.default_sampling " + shlex.join(sys.argv[1:])
-    result = run(args)
+    result = {**provenance(), **run(args)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sampling.json").write_text(json.dumps({"command": command, **result}, indent=2) + "\n")
-    (out / "sampling.md").write_text(markdown(result, command))
-    print(markdown(result, command))
+    (out / "sampling.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "sampling.md").write_text(markdown(result))
+    print(markdown(result))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ finish reason. Each mismatch is printed with its first differing position and th
 target's top-2 logprob margin there in both replies: a margin near zero is a near-tie,
 where another summation order may pick the other token; a wide one is a bug. Where the
 server has /metrics, the check also says how much it drafted meanwhile (a check that
-drafted nothing proved little). Exit status 1 on any mismatch or failed request.
+drafted nothing proved little). Exit status 1 on any mismatch or failed request. The JSON
+report (--out) carries the command, commit and machine.
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ from pathlib import Path
 
 import aiohttp
 
-from .openai_stream import RequestSpec, Sampling, StreamResult, TokenLogprob, scrape, stream
+from .openai_stream import (
+    RequestSpec,
+    Sampling,
+    StreamResult,
+    TokenLogprob,
+    scrape,
+    stream,
+)
 from .prompts import load_prompts
+from .provenance import provenance
 from .serving_metrics import counter_deltas, spec_decode_metrics
+
 
 @dataclass
 class Mismatch:
@@ -103,7 +113,7 @@ async def run(args) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         before = await scrape(session, args.url)
         for mode, sampling in modes.items():
-            def specs(draft: bool) -> list[RequestSpec]:
+            def specs(draft: bool, sampling=sampling) -> list[RequestSpec]:
                 return [RequestSpec(p, args.max_tokens, sampling(i), draft, args.endpoint, args.model, top_logprobs=2)
                         for i, p in enumerate(chosen)]
 
@@ -148,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the report as JSON here")
     args = p.parse_args(argv)
     args.url = args.url.rstrip("/")
-    report = asyncio.run(run(args))
+    record = provenance(sys.argv[1:] if argv is None else argv, __spec__.name)
+    report = {**record, **asyncio.run(run(args))}
     for failure in report["failures"]:
         print(f"FAILED {failure}")
     for m in report["mismatches"]:

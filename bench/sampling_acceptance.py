@@ -17,7 +17,8 @@ from families.lfm2.drafter import load_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.sampling import SamplingParams
-prompts = json.load(open(Path(__file__).with_name("default_prompts.json")))["prompts"]
+
+prompts = json.loads(Path(__file__).with_name("default_prompts.json").read_text())["prompts"]
 loaded = open_target(default_target_dir(), dtype="float32", max_lanes=16)
 drafter = load_drafter(default_drafter_dir(), loaded.target.model, loaded.target.config, dtype="float32", max_lanes=16)
 engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=16, draft_width=9))

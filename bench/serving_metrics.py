@@ -7,6 +7,7 @@ Times are seconds on one monotonic clock; figures reported in ms say so in their
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -71,7 +72,7 @@ def token_latencies(sent: float, events: Sequence[StreamEvent]) -> tuple[float |
         return None, []
     first = bearing[0]
     itls = [0.0] * (first.tokens - 1)
-    for before, event in zip(bearing, bearing[1:]):
+    for before, event in itertools.pairwise(bearing):
         itls += [(event.time - before.time) / event.tokens] * event.tokens
     return first.time - sent, itls
 

@@ -7,7 +7,8 @@ nothing) and resident memory before and after (growth beyond noise is a leak).
 
     python -m bench.soak [--model DIR --draft-model DIR] [--requests 3000] [--concurrency 24] [--out FILE]
 
-Without --model it soaks the embedded default with its drafter.
+Without --model it soaks the embedded default with its drafter. The JSON report (--out)
+carries the command, commit and machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 import mlx.core as mx
 
+from bench.provenance import provenance
 from daemon.cli import exit_process
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the report as JSON here too")
     args = p.parse_args(argv)
+    record = provenance(sys.argv[1:] if argv is None else argv, __spec__.name)
     if args.model is None:
         args.model, args.draft_model = default_target_dir(), args.draft_model or default_drafter_dir()
     dtype = "float32" if mx.default_device() == mx.cpu else None
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.01)
     stats = client.stats()
     client.shutdown(5)
+    report = {**record, **report}
     report.update(rss_mib_before=round(before, 1), rss_mib_after=round(after, 1),
                   held_after={k: stats[k] for k in ("in_flight", "queue_depth", "running", "waiting", "kv_bytes_in_use")},
                   model=str(args.model), drafter=str(args.draft_model), max_streams=args.max_streams)
