@@ -370,6 +370,8 @@ class Engine:
         caches may be part-written) and unpin the ones it resumed from."""
         try:
             if lane.finish_reason is not FinishReason.ERROR and lane.target_slot is not None:
+                if lane.drafter_slot is not None:
+                    self.rounds.fold_pending([lane])  # its blocks carry the drafter's context to the last row
                 self.prefix_cache.offer(lane)
         except Exception:  # the cache only loses this lane's blocks
             log.exception("offering %s to the prefix cache failed", lane.id)

@@ -129,7 +129,7 @@ class RoundRunner:
                 lane.pending_taps.append(out.taps[start : start + len(chunk)])
                 lane.pending_tokens += chunk
         mx.eval(out.logits, *self.target.state_arrays())
-        self._fold_pending(drafting, limit=PENDING_TAPS_LIMIT)
+        self.fold_pending(drafting, limit=PENDING_TAPS_LIMIT)
         return out.logits
 
     def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[tuple[int, object]]:
@@ -266,7 +266,7 @@ class RoundRunner:
                 lane.pending_tokens.append(dispatch.anchors[i])
             lane.stats.rounds += 1
             events.append((lane, lane.emit([token], None if logprob is None else [logprob])))
-        self._fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        self.fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         now = self.clock()
         # Pipelined rounds overlap: a round's time is the interval between landings.
         seconds = now - (max(self._last_landing, dispatch.started) if dispatch.pipelined else dispatch.started)
@@ -276,7 +276,7 @@ class RoundRunner:
         self._account(RoundReport("plain", n, n, emitted, seconds), dispatch.decision, dispatch.context)
         return events, tokens
 
-    def _fold_pending(self, lanes: list[Lane], limit: int = 0) -> None:
+    def fold_pending(self, lanes: list[Lane], limit: int = 0) -> None:
         """Move lanes' pending taps into the drafter's context (those holding more than
         `limit` rows), in one batched append."""
         due = [lane for lane in lanes if len(lane.pending_tokens) > limit]
@@ -309,7 +309,7 @@ class RoundRunner:
     def _draft(self, drafting: list[Lane]) -> tuple[list[list[int]], list[list[float]], list]:
         """Bring the drafting lanes' contexts up to date and propose for all of them in one
         batched forward: each lane's drafts, raw confidences, and problem (None if sound)."""
-        self._fold_pending(drafting)
+        self.fold_pending(drafting)
         g = self.proposals
         # Verification compares tokens only: the chain's float32 logits are never read.
         proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
@@ -412,5 +412,5 @@ class RoundRunner:
                     proposed_at[k] += 1
                     accepted_at[k] += k < outcome.accepted
             events.append((lane, lane.emit(outcome.tokens, outcome.logprobs)))
-        self._fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
+        self.fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         return events, proposed_at, accepted_at
