@@ -1,10 +1,13 @@
-"""Priced drafting without timing: for tests that must see drafted rounds happen.
+"""Priced drafting without timing, and floors on how much a test drafted.
 
 With real clocks the guards draft only where drafting measures faster, and the pricing
 admits drafts only where measured costs say they pay, so whether a run drafts at all
 depends on the machine. These doubles keep the priced path (calibration, chain chances,
 the prefix scheduler, verification) while making its inputs fixed: the guard always
 drafts, and every round costs the same whatever its rows, so every draft is priced in.
+
+A test that finds drafted output equal to plain output proves nothing if no draft was
+verified; `assert_drafted` makes it fail when drafting silently stops.
 """
 
 from __future__ import annotations
@@ -25,13 +28,34 @@ class AlwaysDraft:
         return {}
 
 
-def flat_costs(max_rows: int = 1024) -> CostTable:
-    costs = CostTable()
-    for rows in (1, max_rows):
-        costs.seed(rows, 1, 0, 1.0)
-    return costs
+class FlatCosts(CostTable):
+    """Every round costs one second whatever its rows. Live rounds teach it nothing: the
+    table a round observes into would otherwise turn this machine's timings into verify
+    depths."""
+
+    def observe(self, rows: int, lanes: int, context_tokens: int, seconds: float) -> None:
+        pass
+
+    def estimate(self, rows: int, lanes: int, context_tokens: int) -> float:
+        return 1.0
 
 
 def price_without_timing(engine) -> None:
     engine.rounds.guard = AlwaysDraft()
-    engine.rounds.costs = flat_costs()
+    engine.rounds.costs = FlatCosts()
+
+
+def assert_drafted(completions, rounds: int, accepted: int) -> None:
+    """At least `rounds` drafted lane-rounds and `accepted` kept drafts over `completions`."""
+    drafted = sum(c.draft.drafted_rounds for c in completions)
+    kept = sum(c.draft.accepted for c in completions)
+    assert drafted >= rounds and kept >= accepted, (
+        f"{drafted} drafted rounds (floor {rounds}) and {kept} accepted drafts (floor {accepted})")
+
+
+def fewest_drafted_rounds(outputs, width: int) -> int:
+    """Drafted rounds that lanes drafting every round they may must have taken to write
+    `outputs` (token lists): a lane's first token comes from its prefill, its last may
+    come from a plain step (one token left: nothing to draft), and a round keeps at most
+    `width` tokens."""
+    return sum(-(-(len(tokens) - 2) // width) for tokens in outputs if len(tokens) > 2)
