@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -54,6 +55,20 @@ def int_list(text: str, flag: str) -> list[int]:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
         raise UsageError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+# Sizes as `ulimit` and `docker --memory` write them: a suffix is a power of 1024.
+SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+SIZE = re.compile(r"(\d+)([kmgt]?)", re.IGNORECASE)
+
+
+def byte_size(text: str, flag: str) -> int:
+    """Bytes, plain (1048576) or with a suffix K, M, G or T (1M). Parsed after argparse,
+    as `int_list` is."""
+    found = SIZE.fullmatch(text.strip())
+    if found is None:
+        raise UsageError(f"{flag} must be a number of bytes, optionally with K, M, G or T (4G), got {text!r}")
+    return int(found.group(1)) * SIZE_UNITS[found.group(2).lower()]
 
 
 def argv_text(text: str, flag: str) -> str:

@@ -20,9 +20,10 @@ from families.lfm2 import open_target
 from families.lfm2.config import generation_defaults
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig
+from lanes.prefix_cache import default_budget_bytes
 
 from .app import Server, ServerConfig, Serving, make_serving
-from .wired import wire_for_serving
+from .wired import MIB, wire_for_serving
 
 log = logging.getLogger("laneserve")
 
@@ -51,6 +52,10 @@ def add_serve(sub) -> None:
                    help=f"largest request body accepted (default {ServerConfig.max_body_bytes}); larger gets 413")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="cast weights (default: as stored; float32 when MLX runs on the CPU)")
+    p.add_argument("--prefix-cache-bytes", metavar="SIZE",
+                   help="memory kept for the caches of prompts already read, so a conversation's next turn reads "
+                   "only its new tokens: bytes, or with K, M, G or T (4G); 0 turns the cache off (default: a "
+                   "quarter of the memory left once the model is loaded)")
     add_drafting(p)
     p.set_defaults(run=run_serve)
 
@@ -93,10 +98,19 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Servi
     if drafter is None:
         log.info("drafter: none, every round plain")
     restore_wired = wire_for_serving(target, drafter, max_model_len, log)  # Metal only; a no-op elsewhere
-    engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
-                          EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width))
+    # The default is measured here, with the weights already in memory.
+    cache_bytes = default_budget_bytes() if args.prefix_cache_bytes is None else args.prefix_cache_bytes
+    engine_config = EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width,
+                                 prefix_cache_bytes=cache_bytes)
+    engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter, engine_config)
     log.info("lanes: up to %d per round, %d waiting at most", args.max_streams, args.max_queue)
     log.info("context: %d tokens per request (prompt + max_tokens)", max_model_len)
+    if cache_bytes:
+        log.info("prefix cache: %.1f MB for prompt prefixes, in blocks of %d tokens%s", cache_bytes / MIB,
+                 engine_config.prefix_block_tokens,
+                 " (a quarter of the memory left)" if args.prefix_cache_bytes is None else "")
+    else:
+        log.info("prefix cache: off, every prompt read whole")
     defaults = generation_defaults(args.model)
     log.info("sampling defaults from generation_config.json: %s", defaults or "none (greedy)")
     client = EngineClient(engine)
@@ -105,11 +119,13 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Servi
 
 
 def run_serve(args, build_engine=Engine) -> int:
-    from .cli import resolve_models
+    from .cli import byte_size, resolve_models
 
     args.embedded = args.model is None
     resolve_models(args)
     config = server_config(args)
+    if args.prefix_cache_bytes is not None:
+        args.prefix_cache_bytes = byte_size(args.prefix_cache_bytes, "--prefix-cache-bytes")
     prometheus_client.disable_created_metrics()  # as vLLM: no `_created` series beside every counter
     try:
         import uvloop
