@@ -200,9 +200,10 @@ class Server:
         t, generated = done.timings, len(done.token_ids)
         rate = generated / t.decode_seconds if t.decode_seconds > 0 else 0.0
         access_log.info(
-            "%s %s %s %d %.3fs prompt=%d completion=%d ttft=%.3fs %.1f tok/s drafts accepted=%d/%d finish=%s",
+            "%s %s %s %d %.3fs prompt=%d completion=%d ttft=%.3fs %.1f tok/s cached=%d drafts accepted=%d/%d "
+            "finish=%s",
             record.request_id, request.method, request.path, status, seconds, done.prompt_tokens, generated,
-            t.ttft_seconds, rate, done.draft.accepted, done.draft.proposed, done.finish_reason.value,
+            t.ttft_seconds, rate, done.cached_tokens, done.draft.accepted, done.draft.proposed, done.finish_reason.value,
         )
 
     @web.middleware

@@ -36,6 +36,7 @@ from .schemas import (
     ErrorBody,
     ErrorResponse,
     GenerationFields,
+    PromptTokensDetails,
     TextCompletion,
     TextCompletionChunk,
     Timings,
@@ -137,7 +138,7 @@ class Front:
 
     def _job(self, body: GenerationFields, chat: bool, prompt: list[int], max_tokens: int, logprobs: int | None) -> Job:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        request = Request(prompt, max_tokens, self.sampling(body), stop, draft=body.draft,
+        request = Request(prompt, max_tokens, self.sampling(body), stop, draft=body.draft, cache=body.cache_prompt,
                           id=("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), logprobs=logprobs)
         options = body.stream_options if body.stream else None
         include_usage = options is not None and options.include_usage
@@ -235,7 +236,8 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 def usage_of(completion: Completion) -> Usage:
     generated = len(completion.token_ids)
-    return Usage(completion.prompt_tokens, generated, completion.prompt_tokens + generated)
+    return Usage(completion.prompt_tokens, generated, completion.prompt_tokens + generated,
+                 PromptTokensDetails(completion.cached_tokens))
 
 
 def timings_of(completion: Completion) -> Timings:

@@ -111,6 +111,7 @@ class GenerationFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     draft: bool = True  # laneserve's extension: false decodes this request plainly
+    cache_prompt: bool = True  # llama.cpp's name: false reads the whole prompt, none of it from the prefix cache
 
 
 class ChatCompletionRequest(GenerationFields, kw_only=True):
@@ -142,10 +143,16 @@ class DetokenizeRequest(Struct, kw_only=True):
 # ---- responses -------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens restored from the prefix cache rather than read
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # Known once the request is done: continuous usage on earlier chunks leaves it out.
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
 
 
 class Timings(Struct):
