@@ -2,8 +2,8 @@
 
 Per-request histograms (latencies, token counts) are fed from each request's lane
 events on the daemon's loop; engine totals (requests, tokens, rounds, drafts, guards,
-KV bytes) are read from `EngineClient.stats()` at scrape time by a collector, so they
-are never counted twice and never drift from the engine's own numbers.
+KV bytes, prefix cache) are read from `EngineClient.stats()` at scrape time by a
+collector, so they are never counted twice and never drift from the engine's own numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from lanes.lane import Completion, LaneEvent
 
 PREFIX = "laneserve:"
+
+# What `stats()["prefix_cache"]` would say of a cache that is off: every series stays
+# present at zero, so dashboards and rate() need no special case for it.
+NO_PREFIX_CACHE = {"budget_bytes": 0, "bytes": 0, "queried_tokens_total": 0, "hit_tokens_total": 0}
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -177,3 +181,10 @@ class EngineCollector:
         yield speed
         yield gauge("kv_bytes_in_use", "Bytes of KV and drafter caches held by running lanes.", s["kv_bytes_in_use"])
         yield gauge("kv_bytes_reserved", "Bytes of KV and drafter cache pools allocated.", s["kv_bytes_reserved"])
+
+        # vLLM's names: hit rate = hits / queries, both in prompt tokens.
+        cache = s.get("prefix_cache", NO_PREFIX_CACHE)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache["queried_tokens_total"])
+        yield counter("prefix_cache_hits", "Prompt tokens restored from the prefix cache.", cache["hit_tokens_total"])
+        yield gauge("prefix_cache_bytes", "Bytes the prefix cache's blocks hold.", cache["bytes"])
+        yield gauge("prefix_cache_budget_bytes", "Most bytes the prefix cache may hold (0: off).", cache["budget_bytes"])
