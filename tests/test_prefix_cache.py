@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from bench.scripted import ScriptedDrafter, published_profile
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny_drafter import make_tiny_drafter
@@ -15,7 +16,6 @@ from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.prefix_cache import PrefixCache, block_digest
 from lanes.sampling import SamplingParams
-from bench.scripted import ScriptedDrafter, published_profile
 
 BLOCK = 16
 BUDGET = 1 << 26
