@@ -10,8 +10,14 @@ path runs. The target verifies every draft either way.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import shutil
+
+import mlx.core as mx
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from daemon.cli import main
 from families.lfm2 import open_target
@@ -20,7 +26,7 @@ from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
-from lanes.sampling import SamplingParams
+from lanes.sampling import SamplingParams, filtered_logprobs
 from bench.scripted import ScriptedDrafter, published_profile
 from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_timing
 
@@ -229,10 +235,6 @@ def test_coupled_proposals_are_accepted_and_exact(sampled_pair):
 def test_seeded_first_tokens_follow_the_target_distribution(sampled_pair):
     """Over many seeds, the engine's sampled token follows the target's filtered
     distribution (chi-square against p computed from the target's own logits)."""
-    import mlx.core as mx
-
-    from lanes.sampling import filtered_logprobs
-
     target, _ = sampled_pair
     engine = engine_for(target, lanes=16)
     loaded = open_target(target, max_lanes=1)
@@ -260,6 +262,118 @@ def chi_square_critical(df: int, z: float = 3.0902) -> float:
     (Wilson-Hilferty; within 1% of the exact value from df = 3 up). Outputs are seeded,
     so a pass stays a pass."""
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+# ---- the law of drafted sampling after a rejection -------------------------------------------
+#
+# A kept draft equals the target's own draw, so the emitted law is the target's only if a
+# rejected row emits the target's coupled draw and nothing past it is kept. Here LAW_SEEDS
+# replies of three tokens go through real drafted rounds (width 2: t1 from the prompt, t2
+# from the row that verifies one draft, t3 after), at temperature 1 with top_k 3, and their
+# joint counts meet the target's exact law in a chi-square test (replies expected fewer
+# than 10 times pooled; 12 degrees of freedom; critical value 33.07, p = 0.001).
+#
+# Power, from the analytic laws: p from the target, q = p^4 normalised from surer_drafter,
+# and for shared Gumbel noise the chance that both draws are s, A(s) = 1 / (1 + sum over
+# j != s of max(p_j / p_s, q_j / q_s)) (sum of A: 0.70, 0.68, 0.61 for the three t1).
+# - A rejected row that emits a fresh draw from p (a new key) instead of the coupled one:
+#   t2 then has law A(s) + (1 - sum A) p(s), which overweights the target's likeliest
+#   token (the drafter's favourite, kept whenever both draw it). Non-centrality
+#   lambda = N sum (p_mutant - p)^2 / p = 69.4 at N = 1000: power 0.9996 (non-central
+#   chi-square, 12 df). Applied to lanes/verify.py: statistic 96.2.
+# - A verifier that keeps one draft too many (accepted + 1 after a rejection): emitting the
+#   rejected draft makes t2 follow q, lambda = 348, power 1 - 1e-13 (applied: 345.5);
+#   emitting the target's choices but committing the row after the rejected draft draws t3
+#   as if the draft had been kept, and 30% of replies are ones the target cannot sample
+#   (applied: the support check fails). Both also break test_seeded_sampling_drafted_equals_plain.
+# Unmutated, the statistic is 16.7; the seeds are fixed, so a pass stays a pass.
+
+LAW_PROMPT = SAMPLED_PROMPT
+LAW = SamplingParams(temperature=1.0, top_k=3)  # three tokens a position: few categories
+LAW_SEEDS = 1000
+SURENESS = 4  # the drafter's logits are the target's times this: q is proportional to p^4
+
+
+def last_logits(target, tokens: list[int]) -> np.ndarray:
+    lane = target.open_lane()
+    logits, _ = target.prefill(lane, tokens)
+    target.close_lane(lane)
+    return np.array(logits)
+
+
+def filtered_p(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    return np.exp(np.array(filtered_logprobs(mx.array(logits)[None], [params]))[0])
+
+
+def reply_law(target, prompt: list[int], params: SamplingParams, length: int, eos_ids) -> dict[tuple[int, ...], float]:
+    """The exact law of a sampled reply of `length` tokens, from the target's own filtered
+    distributions (a reply that meets an eos id is the tokens before it)."""
+    law: dict[tuple[int, ...], float] = {}
+
+    def extend(reply: list[int], chance: float) -> None:
+        if len(reply) == length:
+            law[tuple(reply)] = chance
+            return
+        p = filtered_p(last_logits(target, prompt + reply), params)
+        for token in map(int, np.flatnonzero(p)):
+            if token in eos_ids:
+                law[tuple(reply)] = law.get(tuple(reply), 0.0) + chance * p[token]
+            else:
+                extend(reply + [token], chance * p[token])
+
+    extend([], 1.0)
+    return law
+
+
+@pytest.fixture(scope="module")
+def surer_drafter(sampled_pair, tmp_path_factory):
+    """The sampled pair's drafter rewired so that its first proposal after LAW_PROMPT + t1
+    comes from the target's own logits there, times SURENESS: its final norm is zeroed,
+    so the Markov head alone makes the chain logits, and the head maps each first token
+    the target may sample to the target's logits after it. A drafter surer than the
+    target, as drafters are: its coupled draw agrees with the target's about 70% of the
+    time, and where they disagree is far from uniform."""
+    target_dir, drafter_dir = sampled_pair
+    target = open_target(target_dir, max_lanes=1).target
+    out = tmp_path_factory.mktemp("surer") / "drafter"
+    shutil.copytree(drafter_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors["norm.weight"][:] = 0
+    w1, w2 = tensors["markov_head.markov_w1.weight"], tensors["markov_head.markov_w2.weight"]
+    w1[:], w2[:] = 0, 0
+    for i, first in enumerate(map(int, np.flatnonzero(filtered_p(last_logits(target, LAW_PROMPT), LAW)))):
+        w1[first, i] = 1
+        w2[:, i] = SURENESS * last_logits(target, LAW_PROMPT + [first])
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_drafted_replies_follow_the_target_law_where_drafts_are_rejected(sampled_pair, surer_drafter):
+    target_dir, _ = sampled_pair
+    loaded = open_target(target_dir, max_lanes=16)
+    drafter = load_drafter(surer_drafter, loaded.target.model, loaded.target.config, max_lanes=16)
+    # Width 2: the first round after the prompt verifies one draft against t2.
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=16, draft_width=2))
+    done = []
+    for start in range(0, LAW_SEEDS, 64):
+        seeds = range(start, min(start + 64, LAW_SEEDS))
+        done += engine.generate([Request(LAW_PROMPT, 3, dataclasses.replace(LAW, seed=s)) for s in seeds])
+    law = reply_law(loaded.target, LAW_PROMPT, LAW, 3, loaded.eos_ids)
+    counts = collections.Counter(tuple(d.token_ids) for d in done)
+    assert set(counts) <= set(law), "a reply the target cannot sample"
+    replies = sorted(law)
+    expected = np.array([law[r] for r in replies]) * LAW_SEEDS
+    observed = np.array([counts[r] for r in replies], dtype=float)
+    pooled = expected < 10  # pool rare replies so the statistic is valid
+    observed = np.append(observed[~pooled], observed[pooled].sum())
+    expected = np.append(expected[~pooled], expected[pooled].sum())
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_critical(len(observed) - 1), statistic
+    # Every reply whose first token is not an eos drafts that one round. About 70% of its
+    # drafts are kept (703 of 1000; see surer_drafter): half is the floor, and at least a
+    # tenth must be rejected for the law after a rejection to be tested at all.
+    assert_drafted(done, sum(len(d.token_ids) >= 1 for d in done), LAW_SEEDS // 2)
+    assert sum(d.draft.accepted for d in done) < 0.9 * LAW_SEEDS, "the test needs rejections"
 
 
 def test_seeded_sampling_ignores_its_neighbours(sampled_pair):
