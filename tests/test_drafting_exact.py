@@ -204,18 +204,26 @@ def test_seeded_sampling_drafted_equals_plain(temperature, width, lanes, dense_d
 @pytest.mark.parametrize("params", [
     dict(repetition_penalty=1.2),  # greedy with a penalty
     dict(temperature=0.3, min_p=0.05, repetition_penalty=1.2),  # the embedded default's settings
+    dict(top_k=2),  # greedy: top-k leaves the argmax alone, on both paths
+    dict(temperature=1.5, top_k=2),
+    dict(temperature=1.5, top_k=2, repetition_penalty=1.3),
 ])
 @pytest.mark.parametrize("width,lanes", [(3, 1), (9, 4), (None, 16)])
-def test_repetition_penalty_drafted_equals_plain(params, width, lanes, dense_dir, drafter_dir):
-    # A penalised row sees the lane's history and the drafts before it: every verify row
-    # must penalise exactly what the plain step at that position would.
+def test_top_k_and_repetition_penalty_drafted_equal_plain(params, width, lanes, dense_dir, drafter_dir):
+    # A verify row draws from the target's top-k, and a penalised row sees the lane's
+    # history and the drafts before it: every verify row must filter and penalise exactly
+    # what the plain step at that position would.
     prompts = [PROMPTS[i % len(PROMPTS)] + [30 + i] for i in range(lanes)]
-    request = lambda i, p: Request(p, MAX_TOKENS, SamplingParams(seed=50 + i, **params))
-    plain = engine_for(dense_dir, lanes=lanes).generate([request(i, p) for i, p in enumerate(prompts)])
+    request = lambda i, p, settings: Request(p, MAX_TOKENS, SamplingParams(seed=50 + i, **settings))
+    plain = engine_for(dense_dir, lanes=lanes).generate([request(i, p, params) for i, p in enumerate(prompts)])
     drafter = engine_for(dense_dir, drafter_dir, [p + d.token_ids for p, d in zip(prompts, plain)], width, lanes=lanes)
-    drafted = drafter.generate([request(i, p) for i, p in enumerate(prompts)])
+    drafted = drafter.generate([request(i, p, params) for i, p in enumerate(prompts)])
     assert [d.token_ids for d in drafted] == [d.token_ids for d in plain]
     assert_drafted(drafted, *scripted_floors([d.token_ids for d in plain], width or PRICED_WIDTH))
+    if params != dict(top_k=2):  # the settings are in play: without them the replies differ
+        unset = {k: v for k, v in params.items() if k not in ("top_k", "repetition_penalty")}
+        bare = engine_for(dense_dir, lanes=lanes).generate([request(i, p, unset) for i, p in enumerate(prompts)])
+        assert [b.token_ids for b in bare] != [d.token_ids for d in plain]
 
 
 def test_coupled_proposals_are_accepted_and_exact(sampled_pair):
