@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from tokenizers import Tokenizer
+
+from bench.scripted import ScriptedDrafter, published_profile
 from daemon.cli import main
-from families.lfm2 import CheckpointError, Lfm2Config, load_model
+from families.lfm2 import CheckpointError, Lfm2Config, load_model, open_target
+from families.lfm2.bpe import EOS_TEXT, IM_END
+from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
+from families.lfm2.tiny_drafter import make_tiny_drafter
+from families.lfm2.tokenizer import ChatTokenizer
+from lanes.engine import Engine, EngineConfig
+from lanes.lane import FinishReason, Request
 
 PROMPT = mx.array([[1, 40, 41, 42, 43, 300, 301, 17]])
 
@@ -130,3 +139,93 @@ def test_malformed_checkpoints_are_refused_by_name(case, plant, message, dense_d
     assert main(["generate", "--model", str(path), "--prompt", "hi", "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# ---- eos ids, from each of the three files that may name them --------------------------------
+
+EOS_PROMPT = [1, 40, 41, 42, 43, 300, 301, 17]
+EOS_SOURCES = ["config.json", "generation_config.json", "tokenizer_config.json"]
+# What each stock tiny file names: the loader takes the union.
+STOCK_EOS = {"config.json": {IM_END}, "generation_config.json": {IM_END, EOS_TEXT}, "tokenizer_config.json": {IM_END}}
+
+
+@pytest.fixture(scope="module")
+def eos_drafter_dir(dense_dir, tmp_path_factory):
+    return make_tiny_drafter(tmp_path_factory.mktemp("eos_drafter"), dense_dir, seed=5, block_size=9)
+
+
+@pytest.fixture(scope="module")
+def unstopped(dense_dir):
+    """The stock checkpoint's greedy reply, and a token of it to stop at: one whose first
+    time in the reply comes after a few others."""
+    loaded = open_target(dense_dir, max_lanes=1)
+    (done,) = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=1)).generate([Request(EOS_PROMPT, 24)])
+    reply = done.token_ids
+    assert set(loaded.eos_ids) == set().union(*STOCK_EOS.values())
+    assert len(reply) == 24 and not set(reply) & set(loaded.eos_ids)
+    stop_at = next(i for i in range(4, len(reply)) if reply[i] not in reply[:i])
+    return reply, stop_at
+
+
+def name_eos(path, source: str, token: int) -> None:
+    """Make `source` in the checkpoint at `path` name `token` as its eos."""
+    file = path / source
+    settings = json.loads(file.read_text())
+    if source == "tokenizer_config.json":  # a token's text, not its id
+        settings["eos_token"] = Tokenizer.from_file(str(path / "tokenizer.json")).id_to_token(token)
+    else:
+        settings["eos_token_id"] = [token] if source == "generation_config.json" else token
+    file.write_text(json.dumps(settings))
+
+
+@pytest.mark.parametrize("source", EOS_SOURCES)
+def test_an_eos_id_from_each_file_stops_a_lane(source, dense_dir, eos_drafter_dir, unstopped, tmp_path):
+    reply, stop_at = unstopped
+    token = reply[stop_at]
+    path = copy_of(dense_dir, tmp_path)
+    name_eos(path, source, token)
+    loaded = open_target(path, max_lanes=1)
+    assert set(loaded.eos_ids) == {token}.union(*(STOCK_EOS[f] for f in EOS_SOURCES if f != source))
+    (plain,) = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=1)).generate([Request(EOS_PROMPT, 24)])
+    assert plain.token_ids == reply[:stop_at] and plain.finish_reason is FinishReason.STOP
+    # Drafted, the eos arrives inside a block of accepted drafts: nothing after it is kept.
+    drafter = ScriptedDrafter(load_drafter(eos_drafter_dir, loaded.target.model, loaded.target.config, max_lanes=1),
+                              [EOS_PROMPT + reply], published_profile(), loaded.target.vocab_size)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=10))
+    (drafted,) = engine.generate([Request(EOS_PROMPT, 24)])
+    assert drafted.token_ids == reply[:stop_at] and drafted.finish_reason is FinishReason.STOP
+    *earlier, last = drafted.draft.accepted_per_round
+    assert stop_at < 1 + sum(1 + a for a in earlier) + last  # the eos was one of the last round's kept drafts
+
+
+# ---- the chat template is data from a download ------------------------------------------------
+
+
+def hostile_templates(marker) -> list[str]:
+    """Templates that reach for Python's internals; the last two would create `marker`."""
+    return [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{% for c in [].__class__.__base__.__subclasses__() %}{{ c }}{% endfor %}",
+        "{{ messages.append({'role': 'system', 'content': 'injected'}) }}",
+        f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}",
+        f"{{{{ lipsum.__globals__['os'].popen('touch {marker}').read() }}}}",
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_hostile_chat_template_is_refused_not_run(case, dense_dir, tmp_path):
+    path = copy_of(dense_dir, tmp_path)
+    marker = tmp_path / "ran"
+    (path / "chat_template.jinja").write_text(hostile_templates(marker)[case])
+    tokenizer = ChatTokenizer(path)
+    with pytest.raises(ValueError, match="the chat template refused these messages: access to attribute .* is unsafe"):
+        tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    assert not marker.exists()
+
+
+def test_a_lone_reach_for_internals_renders_nothing_of_them(dense_dir, tmp_path):
+    # The sandbox turns one unsafe attribute into an undefined value (as transformers'
+    # does): nothing runs and nothing leaks; only going further through it raises.
+    path = copy_of(dense_dir, tmp_path)
+    (path / "chat_template.jinja").write_text("[{{ ''.__class__ }}{{ messages[0].__class__ }}{{ '{0.__class__}'.format(messages) }}]")
+    assert ChatTokenizer(path).render_chat([{"role": "user", "content": "hi"}]) == "[]"
