@@ -17,6 +17,8 @@ from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
 from lanes.lane import FinishReason, Request
 from lanes.pricing import CostTable
+from lanes.round import RoundRunner
+from lanes.sampling import SamplingParams
 from bench.scripted import ScriptedDrafter, published_profile
 from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_timing
 
@@ -237,3 +239,49 @@ def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, draf
     done = engine.generate([Request(p, n) for p, n in zip(PROMPTS[:4], LENGTHS[:4])])
     assert [c.token_ids for c in done] == solo[:4]
     assert_scripted_drafting(done, solo[:4])
+
+
+class SynchronousRounds(RoundRunner):
+    """Lands every plain round before building the next: the rounds pipelining overlaps."""
+
+    _pipelinable = staticmethod(lambda lane: False)
+
+
+def test_pipelined_plain_rounds_equal_synchronous_ones(dense_dir):
+    # A pipelined round feeds the round before's choices while they are still on the
+    # device: a penalty must count them as seen, and a sampled row must draw at the
+    # position one ahead of what the host knows. Six lanes on four slots, so the set of
+    # lanes changes as they end and join (where a round cannot be pipelined).
+    settings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=1.5, top_k=4, repetition_penalty=1.3, seed=2),
+        SamplingParams(repetition_penalty=1.2),
+        SamplingParams(temperature=0.3, min_p=0.05, repetition_penalty=1.2, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+    ]
+    replies, logprobs = {}, {}
+    for kind in (RoundRunner, SynchronousRounds):
+        entries = logprobs[kind] = {}
+        on_event = lambda event: entries.setdefault(event.request_id.rsplit("-", 1)[1], []).extend(event.logprobs or [])
+        requests = [Request(p, n, s, id=f"{kind.__name__}-{i}", logprobs=2, on_event=on_event)
+                    for i, (p, n, s) in enumerate(zip(PROMPTS, LENGTHS, settings))]
+        loaded = open_target(dense_dir, max_lanes=4)
+        rounds = kind(loaded.target)
+        lags = []
+        dispatch = rounds._dispatch
+        rounds._dispatch = lambda lanes, anchors, lag: lags.append(lag) or dispatch(lanes, anchors, lag)
+        engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=4), rounds=rounds)
+        replies[kind] = engine.generate(requests)
+        if kind is RoundRunner:  # most rounds ran pipelined
+            assert lags.count(1) > lags.count(0) > 0
+        else:
+            assert lags and set(lags) == {0}
+    pipelined, synchronous = replies[RoundRunner], replies[SynchronousRounds]
+    assert [c.token_ids for c in pipelined] == [c.token_ids for c in synchronous]
+    ids = lambda entries: [(e.token_id, [t for t, _ in e.top]) for e in entries]
+    values = lambda entries: [v for e in entries for v in (e.logprob, *(lp for _, lp in e.top))]
+    assert logprobs[RoundRunner].keys() == logprobs[SynchronousRounds].keys()
+    for lane, entries in logprobs[RoundRunner].items():
+        assert ids(entries) == ids(logprobs[SynchronousRounds][lane])
+        assert values(entries) == pytest.approx(values(logprobs[SynchronousRounds][lane]), abs=1e-5)
