@@ -15,7 +15,9 @@ turn order on then off, then off then on:
   first token (submission to first token) is recorded per turn;
 - a decode cell on each engine: `--lanes` streams with fresh prompts (every lookup
   misses) decoding for at least `--min-seconds`, tokens per second of the whole batch
-  (prefill, decode and, with the cache, offering the finished lanes' blocks).
+  (prefill, decode and, with the cache, recording conv states at block boundaries and
+  offering the finished lanes' blocks). The cell decodes plainly, so the guards'
+  choices (noisy where a drafter's acceptance is) do not blur the cache's upkeep.
 
 Token ids are drawn at random from the tokenizer's range: time to first token depends on
 lengths, not on content. Writes NAME.json and NAME.md with command, commit and machine.
@@ -72,7 +74,7 @@ def decode_cell(engine: Engine, rng: np.random.Generator, args) -> float:
     """Tokens per second of fresh batches (every prompt new) over at least --min-seconds."""
     tokens, started = 0, time.perf_counter()
     while time.perf_counter() - started < args.min_seconds:
-        requests = [Request(random_ids(engine, rng, args.prompt_tokens), args.gen_tokens) for _ in range(args.lanes)]
+        requests = [Request(random_ids(engine, rng, args.prompt_tokens), args.gen_tokens, draft=False) for _ in range(args.lanes)]
         tokens += sum(len(done.token_ids) for done in engine.generate(requests))
     return tokens / (time.perf_counter() - started)
 

@@ -81,6 +81,7 @@ class Lfm2Target:
         # Positions at whose multiples each lane keeps its conv state (0: none); a prefix
         # cache sets it to its block size.
         self.boundary_every = 0
+        self._recorded: list[mx.array] = []  # conv states at boundaries, not yet handed to an evaluation
         self.dtype = model.embed_tokens.weight.dtype if hasattr(model.embed_tokens, "weight") else mx.float16
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized table: use its scales' type
             self.dtype = model.embed_tokens.scales.dtype
@@ -281,8 +282,9 @@ class Lfm2Target:
 
     def _record_boundaries(self, record: RoundRecord, kept: list[int]) -> None:
         """Keep each lane's conv states at the block boundaries its kept rows cross: after
-        keeping k rows a conv state is window rows k .. k + L-2. Copied and launched now,
-        so the round's windows are not held past its evaluation."""
+        keeping k rows a conv state is window rows k .. k + L-2. They are copies, handed
+        out by the next `state_arrays` to be evaluated with the round, so the round's
+        windows are not held past its evaluation and no launch of their own is paid."""
         span, every = self.config.conv_kernel - 1, self.boundary_every
         for row, (lane, k) in enumerate(zip(record.lanes, kept)):
             for boundary in range(-(-(lane.length + 1) // every) * every, lane.length + k + 1, every):
@@ -290,7 +292,7 @@ class Lfm2Target:
                 windows = [record.conv_windows[i][row, rows : rows + span] for i in self.config.conv_layers]
                 state = mx.stack(windows) if windows else mx.zeros((0, span, self.config.hidden_size), self.dtype)
                 lane.conv_at[boundary] = state
-                mx.async_eval(state)
+                self._recorded.append(state)
 
     def prefix_rows(self, lane: LaneSlot, start: int, end: int) -> tuple[mx.array, mx.array, mx.array]:
         """Copies of what a lane holds for positions start..end-1: keys and values
@@ -331,9 +333,12 @@ class Lfm2Target:
         return logits, (mx.concatenate(tapped, axis=0) if taps else None)
 
     def state_arrays(self) -> list[mx.array]:
-        """Every pool array, for evaluating a round's cache writes together with its outputs."""
+        """Every pool array, and the conv states lanes recorded at block boundaries since
+        the last call: what to evaluate with a round's outputs."""
         arrays = []
         for pool in self.kv.values():
             arrays += [pool.keys, pool.values]
         arrays += [pool.state for pool in self.conv.values()]
+        arrays += self._recorded
+        self._recorded = []
         return arrays
