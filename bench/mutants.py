@@ -1,0 +1,459 @@
+"""Mutation check: plant known bugs in a scratch copy of the repository, one at a time,
+and report which of them the test suite catches. Every one must be caught.
+
+    python -m bench.mutants [--list] [--check] [--only NAME ...] [--out FILE.md] [--timeout 1800]
+        [--source worktree|HEAD] [--logs DIR] [--skip-control]
+
+Each mutant is a few exact edits (a file, a source snippet, its replacement). A snippet
+must occur exactly once in its file, else the check stops with exit status 2 naming the
+mutant: code that moved must not leave a mutant silently testing nothing. The mutated
+file must still compile, so a mutant is caught by behaviour, never by a syntax error.
+
+The repository is snapshotted once into a temporary directory (a clone sharing this
+checkout's objects, at the commit HEAD names when the check starts, with the working
+tree's tracked files over it, or with `--source HEAD` as committed), so commits landing
+meanwhile change nothing. For each mutant a fresh copy of the snapshot gets the edits and
+`python -m pytest -x -q -p no:cacheprovider` runs there with this interpreter: the test
+files likeliest to catch the mutant first, then every other test file. The package is
+installed editable from the main checkout, so the run starts in the copy with the copy
+on PYTHONPATH, and a plugin written into the copy checks at pytest's start that
+`lanes`, `families`, `daemon` and `bench` are imported from the copy (exit status 2 if
+not). A catch counts once the failing test fails again alone on the mutant and passes
+alone on the unmutated copy; a failure that does not is deselected and the suite runs
+on. The unmutated copy runs the whole suite first, as a control, and must pass (a test
+that fails there and passes alone on a rerun is reported as flaky).
+
+The acceptance rule of `lanes/verify.py` is token equality with a seeded Gumbel-max draw
+per row (`lanes/sampling.py`): there is no residual max(p - q, 0) to resample from. The
+"residual from p" mutant is its analogue: after a rejection, the emitted token is a
+fresh draw from the target's p with independent noise (another key) instead of the
+row's coupled choice. Its law is still p, so only a test that compares drafted output
+with plain output token for token (or the law of the joint draws) can catch it.
+
+Exit status: 0 when every mutant is caught, 1 when one survives (or its run timed out),
+2 when the check cannot run (a snippet not found exactly once, imports from the wrong
+tree), 3 when the unmutated control fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("lanes", "families", "daemon", "bench")
+GUARD_PLUGIN = "_mutants_import_guard"
+GUARD_SENTINEL = "MUTANTS-IMPORT-GUARD"
+SELF_TEST = "test_mutants.py"
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    plants: str  # the bug, in words
+    edits: tuple[Edit, ...]
+    catchers: tuple[str, ...]  # test files to run first (an order hint; every file runs)
+
+    @property
+    def files(self) -> str:
+        return ", ".join(dict.fromkeys(edit.path for edit in self.edits))
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "acceptance-off-by-one",
+        "a draft is counted as accepted before it is compared, so the first mismatching draft is kept too",
+        (Edit("lanes/acceptance.py",
+              "        if draft != choice:\n            break\n        accepted += 1\n",
+              "        accepted += 1\n        if draft != choice:\n            break\n"),),
+        ("tests/test_sampling.py", "tests/test_drafting_exact.py"),
+    ),
+    Mutant(
+        "residual-from-p",
+        "after a rejection the emitted token is a fresh draw from the target's p with independent noise "
+        "(another key), not the row's coupled choice (the analogue of resampling from p instead of the residual)",
+        (Edit("lanes/verify.py",
+              "    choices = choose(target, params, keys)\n",
+              "    choices = choose(target, params, keys)\n"
+              "    fresh = choose(target, params, [(k * 0x9E3779B1 + 1) & 0xFFFFFFFF for k in keys]).tolist()\n"),
+         Edit("lanes/verify.py",
+              "        outcomes.append(Outcome(accepted, mine[: accepted + 1], logprobs))\n",
+              "        last = fresh[start + accepted] if accepted < len(w.drafts) else mine[accepted]\n"
+              "        outcomes.append(Outcome(accepted, mine[:accepted] + [last], logprobs))\n")),
+        ("tests/test_drafting_exact.py",),
+    ),
+    Mutant(
+        "conv-state-not-rolled-back",
+        "commit keeps the last L-1 rows of each conv window whatever was kept, as if every verify row were accepted",
+        (Edit("families/lfm2/target.py",
+              "state = window[:, -span:] if pick is None else mx.take_along_axis(window, pick, axis=1)",
+              "state = window[:, -span:]"),),
+        ("tests/test_lfm2_rounds.py", "tests/test_drafting_exact.py"),
+    ),
+    Mutant(
+        "kv-length-not-trimmed",
+        "commit advances a lane's committed length by the rows it fed, not the rows it kept (rejected KV rows stay)",
+        (Edit("families/lfm2/target.py", "            lane.length += k\n", "            lane.length += w\n"),),
+        ("tests/test_lfm2_rounds.py", "tests/test_drafting_exact.py"),
+    ),
+    Mutant(
+        "stop-string-leaks-ids",
+        "a lane goes on appending the round's tokens after the one that completes a stop string "
+        "(the text is still cut; the ids leak)",
+        (Edit("lanes/lane.py",
+              "            if hit:\n                self.finish_reason = FinishReason.STOP\n                break\n",
+              "            if hit:\n                self.finish_reason = FinishReason.STOP\n"),),
+        ("tests/test_client.py", "tests/test_drafting_exact.py", "tests/test_engine.py", "tests/test_daemon.py"),
+    ),
+    Mutant(
+        "cancelled-neighbour-shifted",
+        "landing a plain round whose lanes include one that left (cancelled, or ended the round before), "
+        "the remaining lanes are paired with the rows from the wrong index: each neighbour after it takes its "
+        "predecessor's token, taps and anchor",
+        (Edit("lanes/round.py",
+              "        for i, (lane, token, logprob) in enumerate(zip(dispatch.lanes, tokens, logprobs)):\n",
+              "        live = [lane for lane in dispatch.lanes if not lane.finished]\n"
+              "        for i, (lane, token, logprob) in enumerate(zip(live, tokens, logprobs)):\n"),),
+        ("tests/test_cancel_neighbours.py", "tests/test_engine.py", "tests/test_client.py", "tests/test_daemon.py"),
+    ),
+    Mutant(
+        "drafter-context-skips-accepted",
+        "after a drafted round only the anchor's row is queued for the drafter's context, not the accepted "
+        "drafts' rows (its context falls behind the target's; output stays exact, drafting quietly decays)",
+        (Edit("lanes/round.py",
+              "                lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])\n"
+              "                lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]\n",
+              "                lane.pending_taps.append(out.taps[start : start + 1])\n"
+              "                lane.pending_tokens += [lane.anchor]\n"),),
+        ("tests/test_drafting_exact.py", "tests/test_engine.py", "tests/test_drafter.py"),
+    ),
+    Mutant(
+        "penalty-ignored-on-verify-rows",
+        "verify chooses from the raw logits: a lane's repetition penalty is ignored on drafted rounds' rows",
+        (Edit("lanes/verify.py",
+              "    target = logits if seen is None else penalize(logits, seen, [p.repetition_penalty for p in params])\n",
+              "    target = logits\n"),),
+        ("tests/test_drafting_exact.py",),
+    ),
+    Mutant(
+        "pipelined-penalty-misses-inflight-token",
+        "a pipelined plain round does not count the token the round before chose (still on the device) as seen "
+        "by the repetition penalty",
+        (Edit("lanes/round.py",
+              "tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)",
+              "tokens = self._choose(out.logits, lanes, ahead=lag, previous=None)"),),
+        ("tests/test_drafting_exact.py", "tests/test_engine.py"),
+    ),
+)
+
+
+class MutantError(RuntimeError):
+    """A mutant cannot be applied as written (its snippet moved or repeats)."""
+
+
+def mutated_sources(root: Path, mutant: Mutant) -> dict[str, str]:
+    """The mutated text of each file the mutant edits, read from `root`; raises
+    MutantError naming the mutant when a snippet is not found exactly once or the result
+    does not compile."""
+    texts: dict[str, str] = {}
+    for edit in mutant.edits:
+        if edit.path not in texts:
+            path = root / edit.path
+            if not path.is_file():
+                raise MutantError(f"mutant {mutant.name}: {edit.path} does not exist")
+            texts[edit.path] = path.read_text()
+        count = texts[edit.path].count(edit.old)
+        if count != 1:
+            raise MutantError(f"mutant {mutant.name}: snippet found {count} times in {edit.path} (wanted exactly once): "
+                              f"{edit.old.strip()[:100]!r}")
+        texts[edit.path] = texts[edit.path].replace(edit.old, edit.new)
+    for path, text in texts.items():
+        try:
+            compile(text, path, "exec")
+        except SyntaxError as e:
+            raise MutantError(f"mutant {mutant.name}: the mutated {path} does not compile: {e}") from e
+    return texts
+
+
+def apply(root: Path, mutant: Mutant) -> None:
+    for path, text in mutated_sources(root, mutant).items():
+        (root / path).write_text(text)
+
+
+# ---- the scratch copies --------------------------------------------------------------
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout
+
+
+def snapshot(destination: Path, source: str) -> str:
+    """The repository into `destination`, once for the whole check (commits and edits
+    landing meanwhile change nothing): a clone sharing this checkout's objects (the
+    tests read the commit they run at) at the commit HEAD names now, and with `source`
+    "worktree" the working tree's tracked files over it. Returns where they came from,
+    in words."""
+    commit = git("rev-parse", "HEAD").strip()
+    subprocess.run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(REPO), str(destination)], check=True)
+    subprocess.run(["git", "-C", str(destination), "checkout", "--quiet", "--detach", commit], check=True)
+    if source == "HEAD":
+        return f"commit {commit[:7]} (as committed)"
+    changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    for name in git("ls-files", "-z").split("\0"):
+        if not name:
+            continue
+        origin, target = REPO / name, destination / name
+        if not origin.exists() and not origin.is_symlink():  # deleted in the working tree
+            target.unlink(missing_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(origin, target, follow_symlinks=False)
+    return f"commit {commit[:7]}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else " (working tree clean)")
+
+
+GUARD_CODE = f'''"""Written by bench/mutants.py: the run must import the scratch copy's code."""
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    import {", ".join(PACKAGES)}
+
+    root = os.path.realpath(os.environ["LANESERVE_MUTANTS_ROOT"])
+    for module in ({", ".join(PACKAGES)}):
+        where = os.path.realpath(module.__file__)
+        if not where.startswith(root + os.sep):
+            raise pytest.UsageError(f"{GUARD_SENTINEL}: {{module.__name__}} imported from {{where}}, not from the copy {{root}}")
+'''
+
+
+@dataclass
+class Run:
+    outcome: str  # "passed", "failed", "timeout", "error"
+    failures: list[str]  # failing test ids, in the order pytest reported them
+    seconds: float
+    output: str
+
+
+def ordered_test_files(root: Path, first: tuple[str, ...]) -> list[str]:
+    """Every test file of the copy, `first` (those that exist) leading; not this check's
+    own tests, which test its mechanics, not the code the mutants plant bugs in."""
+    every = sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py") if p.name != SELF_TEST)
+    leading = [f for f in first if f in every]
+    return leading + [f for f in every if f not in leading]
+
+
+def run_pytest(root: Path, args: list[str], timeout: float) -> Run:
+    """`python -m pytest -q -p no:cacheprovider ARGS` in the copy at `root`, importing the copy."""
+    (root / f"{GUARD_PLUGIN}.py").write_text(GUARD_CODE)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["LANESERVE_MUTANTS_ROOT"] = str(root)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", GUARD_PLUGIN, *args]
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the run's own process group (servers it started too)
+        output, _ = process.communicate()
+        return Run("timeout", [], time.monotonic() - started, output)
+    except BaseException:  # interrupted: take the run down with the check
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    seconds = time.monotonic() - started
+    if GUARD_SENTINEL in output:
+        line = next(line for line in output.splitlines() if GUARD_SENTINEL in line)
+        raise MutantError(f"the scratch run imported code from outside the copy: {line.strip()}")
+    # Failing tests as the short summary lists them (captured logs also hold "ERROR" lines).
+    summary = output[output.rfind("short test summary info"):] if "short test summary info" in output else ""
+    failures = re.findall(r"^(?:FAILED|ERROR) (\S.*?)(?: - .*)?$", summary, flags=re.MULTILINE)
+    if process.returncode == 0:
+        return Run("passed", [], seconds, output)
+    if process.returncode in (1, 2) and failures:  # tests failed (1), or errored in collection (2)
+        return Run("failed", failures, seconds, output)
+    return Run("error", [f"pytest exit status {process.returncode}"], seconds, output)
+
+
+def copy_of(pristine: Path, scratch: Path, name: str, mutant: Mutant | None = None) -> Path:
+    root = scratch / name
+    shutil.copytree(pristine, root, symlinks=True)
+    if mutant is not None:
+        apply(root, mutant)
+    return root
+
+
+@dataclass
+class Verdict:
+    caught: str  # "yes", "no", "timeout", "error", "unconfirmed"
+    test: str  # the first confirmed failing test (or why none)
+    seconds: float
+    log: str
+
+
+def check_control(root: Path, timeout: float) -> tuple[Run, list[str]]:
+    """The unmutated suite, whole (not stopping at a failure); a test that fails is run
+    again alone, and one that then passes is reported as flaky. Returns the run and the
+    flaky tests."""
+    run = run_pytest(root, ordered_test_files(root, ()), timeout)
+    flaky = []
+    if run.outcome == "failed":
+        again = [(test, run_pytest(root, [test], timeout)) for test in run.failures]
+        if all(rerun.outcome == "passed" for _, rerun in again):
+            flaky = run.failures
+            run = Run("passed", [], run.seconds, run.output + "".join(rerun.output for _, rerun in again))
+    return run, flaky
+
+
+def check_mutant(mutant: Mutant, root: Path, control: Path, timeout: float, attempts: int = 3) -> Verdict:
+    """The suite against the mutant, stopping at the first failure; a catch counts once
+    the failing test fails again alone on the mutant and passes alone on the unmutated
+    copy (a flaky test is not a catch: it is deselected and the suite runs on)."""
+    started, log, doubtful = time.monotonic(), "", []
+    for _ in range(attempts):
+        deselect = [arg for test in doubtful for arg in ("--deselect", test)]
+        run = run_pytest(root, ["-x", *deselect, *ordered_test_files(root, mutant.catchers)], timeout)
+        log += run.output
+        if run.outcome != "failed":
+            why = {"passed": "no", "timeout": "timeout", "error": "error"}[run.outcome]
+            detail = "; ".join(run.failures) or ("every test passed" if run.outcome == "passed" else f"past {timeout:.0f} s")
+            if doubtful:
+                detail += f" (unconfirmed failures deselected: {', '.join(doubtful)})"
+            return Verdict(why, detail, time.monotonic() - started, log)
+        test = run.failures[0]
+        on_mutant = run_pytest(root, [test], timeout)
+        unmutated = run_pytest(control, [test], timeout)
+        log += on_mutant.output + unmutated.output
+        if on_mutant.outcome == "failed" and unmutated.outcome == "passed":
+            return Verdict("yes", test, time.monotonic() - started, log)
+        doubtful.append(test)
+    return Verdict("unconfirmed", f"failures not confirmed: {', '.join(doubtful)}", time.monotonic() - started, log)
+
+
+# ---- the report ----------------------------------------------------------------------
+
+
+def report(argv: list[str], where: str, control: Run | None, flaky: list[str], rows: list[tuple[Mutant, Verdict]]) -> str:
+    caught = sum(verdict.caught == "yes" for _, verdict in rows)
+    if control is None:
+        control_line = "skipped"
+    else:
+        control_line = f"{control.outcome}, {control.seconds:.0f} s"
+        if flaky:
+            control_line += f" (failed at first and passed alone on a rerun, so flaky: {', '.join(f'`{t}`' for t in flaky)})"
+    lines = [
+        (f"`python -m bench.mutants{' ' + ' '.join(argv) if argv else ''}` at {where}, "
+         f"{time.strftime('%Y-%m-%d %H:%M %Z')}: {caught} of {len(rows)} mutants caught."),
+        "",
+        f"Control (the unmutated copy, whole suite): {control_line}.",
+        "",
+        "| mutant | file | caught? | first failing test | seconds |",
+        "|---|---|---|---|---:|",
+    ]
+    words = {"yes": "yes", "no": "**no**", "timeout": "**no** (timed out)", "error": "**no** (pytest error)",
+             "unconfirmed": "**no** (unconfirmed)"}
+    for mutant, verdict in rows:
+        test = f"`{verdict.test}`" if verdict.caught == "yes" else verdict.test
+        lines.append(f"| {mutant.name} | {mutant.files} | {words[verdict.caught]} | {test} | {verdict.seconds:.0f} |")
+    lines += ["", "What each mutant plants:", ""]
+    lines += [f"- {mutant.name}: {mutant.plants}." for mutant, _ in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m bench.mutants", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true", help="only check that every mutant applies, and exit")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run this mutant only (repeatable)")
+    parser.add_argument("--out", type=Path, help="also write the report (markdown) here")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per suite run (default 1800)")
+    parser.add_argument("--source", choices=("worktree", "HEAD"), default="worktree",
+                        help="copy the working tree's tracked files (default) or the commit HEAD names")
+    parser.add_argument("--logs", type=Path, help="write each run's pytest output into this directory")
+    parser.add_argument("--skip-control", action="store_true", help="do not run the whole unmutated suite first")
+    args = parser.parse_args(argv)
+    # A plain `kill` ends the check as Ctrl-C would: the run in progress and the scratch copies go too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    if args.list:
+        for mutant in MUTANTS:
+            print(f"{mutant.name:40} {mutant.files}\n    {mutant.plants}")
+        return 0
+    unknown = [name for name in args.only or () if name not in {m.name for m in MUTANTS}]
+    if unknown:
+        print(f"mutants: no mutant named {', '.join(unknown)} (see --list)", file=sys.stderr)
+        return 2
+    selected = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+
+    def log(name: str, text: str) -> None:
+        if args.logs:
+            (args.logs / f"{name}.log").write_text(text)
+
+    with tempfile.TemporaryDirectory(prefix="laneserve-mutants-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        pristine = scratch / "pristine"
+        where = snapshot(pristine, args.source)
+        try:
+            for mutant in selected:  # every snippet, before anything runs
+                mutated_sources(pristine, mutant)
+        except MutantError as e:
+            print(f"mutants: {e}", file=sys.stderr)
+            return 2
+        print(f"mutants: {len(selected)} mutants apply at {where}", flush=True)
+        if args.check:
+            return 0
+        try:
+            control_root = copy_of(pristine, scratch, "control")
+            control, flaky = None, []
+            if not args.skip_control:
+                control, flaky = check_control(control_root, args.timeout)
+                log("control", control.output)
+                print(f"control: {control.outcome} in {control.seconds:.0f} s"
+                      + (f", flaky: {', '.join(flaky)}" if flaky else ""), flush=True)
+                if control.outcome != "passed":
+                    print(f"mutants: the unmutated copy does not pass ({control.outcome}: {'; '.join(control.failures)}); "
+                          "no mutant was run\n" + control.output[-3000:], file=sys.stderr)
+                    return 3
+            rows = []
+            for mutant in selected:
+                root = copy_of(pristine, scratch, mutant.name, mutant)
+                verdict = check_mutant(mutant, root, control_root, args.timeout)
+                shutil.rmtree(root)
+                log(mutant.name, verdict.log)
+                rows.append((mutant, verdict))
+                print(f"{mutant.name}: {'caught' if verdict.caught == 'yes' else 'SURVIVED (' + verdict.caught + ')'} "
+                      f"in {verdict.seconds:.0f} s: {verdict.test}", flush=True)
+        except MutantError as e:
+            print(f"mutants: {e}", file=sys.stderr)
+            return 2
+    text = report(argv, where, control, flaky, rows)
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+    return 0 if all(verdict.caught == "yes" for _, verdict in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
