@@ -141,7 +141,8 @@ class PrefixCache:
                 added.append(block)
             chain.append(block)
             parent = digest
-        mx.eval([a for block in added for a in (*block.target, *(block.drafter or ()))])
+        # Launched, not awaited: evaluating the copies releases the pools they were read from.
+        mx.async_eval([a for block in added for a in (*block.target, *(block.drafter or ()))])
         self._touch(chain)
 
     def release(self, lane: Lane) -> None:

@@ -128,8 +128,11 @@ class RoundRunner:
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[start : start + len(chunk)])
                 lane.pending_tokens += chunk
-        mx.eval(out.logits, *self.target.state_arrays())
-        self.fold_pending(drafting, limit=PENDING_TAPS_LIMIT)
+        mx.eval(out.logits, *([out.taps] if drafting else []), *self.target.state_arrays())
+        # A lane still reading its prompt folds as it goes (its taps would pile up); one whose
+        # prompt is read folds at its first round, so its first token does not wait for it.
+        reading = [lane for lane, chunk in zip(lanes, chunks) if lane.prefilled + len(chunk) < len(lane.request.prompt)]
+        self.fold_pending([lane for lane in reading if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         return out.logits
 
     def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[tuple[int, object]]:
