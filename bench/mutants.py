@@ -27,8 +27,9 @@ The acceptance rule of `lanes/verify.py` is token equality with a seeded Gumbel-
 per row (`lanes/sampling.py`): there is no residual max(p - q, 0) to resample from. The
 "residual from p" mutant is its analogue: after a rejection, the emitted token is a
 fresh draw from the target's p with independent noise (another key) instead of the
-row's coupled choice. Its law is still p, so only a test that compares drafted output
-with plain output token for token (or the law of the joint draws) can catch it.
+row's coupled choice. As resampling from p instead of the residual does, it tilts the
+output law toward the drafter's proposals (the fresh draw may repeat the rejected
+draft), and drafted output no longer equals plain output token for token.
 
 Exit status: 0 when every mutant is caught, 1 when one survives (or its run timed out),
 2 when the check cannot run (a snippet not found exactly once, imports from the wrong
@@ -352,6 +353,19 @@ def check_mutant(mutant: Mutant, root: Path, control: Path, timeout: float, atte
 # ---- the report ----------------------------------------------------------------------
 
 
+def shown_command(argv: list[str]) -> str:
+    """The command as run, less the options that only say where output goes."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--logs"):
+            skip = True
+        elif not arg.startswith(("--out=", "--logs=")):
+            shown.append(arg)
+    return " ".join(["python -m bench.mutants", *shown])
+
+
 def report(argv: list[str], where: str, control: Run | None, flaky: list[str], rows: list[tuple[Mutant, Verdict]]) -> str:
     caught = sum(verdict.caught == "yes" for _, verdict in rows)
     if control is None:
@@ -361,7 +375,7 @@ def report(argv: list[str], where: str, control: Run | None, flaky: list[str], r
         if flaky:
             control_line += f" (failed at first and passed alone on a rerun, so flaky: {', '.join(f'`{t}`' for t in flaky)})"
     lines = [
-        (f"`python -m bench.mutants{' ' + ' '.join(argv) if argv else ''}` at {where}, "
+        (f"`{shown_command(argv)}` at {where}, "
          f"{time.strftime('%Y-%m-%d %H:%M %Z')}: {caught} of {len(rows)} mutants caught."),
         "",
         f"Control (the unmutated copy, whole suite): {control_line}.",
