@@ -110,7 +110,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "kv-length-not-trimmed",
         "commit advances a lane's committed length by the rows it fed, not the rows it kept (rejected KV rows stay)",
-        (Edit("families/lfm2/target.py", "            lane.length += k\n", "            lane.length += w\n"),),
+        (Edit("families/lfm2/target.py",
+              "        for lane, k in zip(record.lanes, kept_sorted):\n            lane.length += k\n",
+              "        for lane, w in zip(record.lanes, record.layout.widths):\n            lane.length += w\n"),),
         ("tests/test_lfm2_rounds.py", "tests/test_drafting_exact.py"),
     ),
     Mutant(
@@ -160,6 +162,20 @@ MUTANTS: tuple[Mutant, ...] = (
               "tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)",
               "tokens = self._choose(out.logits, lanes, ahead=lag, previous=None)"),),
         ("tests/test_drafting_exact.py", "tests/test_engine.py"),
+    ),
+    Mutant(
+        "prefix-conv-state-not-restored",
+        "a lane resumed from the prefix cache gets the cached K/V rows but starts its conv layers from zeros",
+        (Edit("families/lfm2/target.py",
+              "            self.conv[i].state[lane.slot] = conv[j].astype(self.dtype)\n",
+              "            self.conv[i].state[lane.slot] = mx.zeros_like(conv[j]).astype(self.dtype)\n"),),
+        ("tests/test_prefix_cache.py", "tests/test_daemon_prefix_cache.py"),
+    ),
+    Mutant(
+        "prefix-boundary-state-at-round-end",
+        "a block boundary crossed inside a round records the conv state at the round's end, not at the boundary",
+        (Edit("families/lfm2/target.py", "                rows = boundary - lane.length\n", "                rows = k\n"),),
+        ("tests/test_prefix_cache.py",),
     ),
 )
 
