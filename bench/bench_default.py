@@ -13,8 +13,8 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
 - decode tok/s: plain, DSpark at the fixed trained width, and DSpark priced with guards
   (as `laneserve generate` runs it), plain and drafted alternated per prompt.
 
-Every drafted output is checked against the plain one. Writes default.json and
-default.md (default-sampled.* with `--sampled`) under --out, each with its command, commit
+Every drafted output is checked against the plain one. Writes NAME.json and NAME.md
+under --out (`--name`; default: default, or default-sampled with `--sampled`), each with its command, commit
 and machine.
 """
 
@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--model", default=default_target_dir())
     p.add_argument("--drafter", default=default_drafter_dir())
     p.add_argument("--out", required=True)
+    p.add_argument("--name", help="base name of the result files (default: default, or default-sampled)")
     p.add_argument("--width", type=int, help="verify width (default: the drafter's trained block_size + 1)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -130,7 +131,7 @@ def main() -> None:
     result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "default-sampled" if args.sampled else "default"
+    name = args.name or ("default-sampled" if args.sampled else "default")
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))

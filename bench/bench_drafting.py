@@ -13,7 +13,8 @@ warm-up, everything evaluated to completion:
 - a verify forward of w = 1..W rows per lane (uncommitted, so the context stays put),
   as milliseconds and as a ratio to w = 1.
 
-Writes drafting.json and drafting.md under --out, each with its command, commit and machine.
+Writes NAME.json and NAME.md (`--name`, default drafting) under --out, each with its
+command, commit and machine.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--name", default="drafting", help="base name of the result files")
     p.add_argument("--lanes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
@@ -139,8 +141,8 @@ def main() -> None:
     result = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "drafting.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "drafting.md").write_text(markdown(result))
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
 
 

@@ -25,7 +25,8 @@ For each stream count: N distinct prompts; plain and drafted runs alternate
 its prompt until all finish) gives aggregate tokens per second; the ratio reported is
 the median over alternations of a drafted run's to the plain run's before it. Drafted
 windows are priced and the guards decide each round, as in serving. Every drafted run's
-tokens are checked against the plain run's. Writes engine.json and engine.md under --out,
+tokens are checked against the plain run's. Writes NAME.json and NAME.md (`--name`, default
+engine) under --out,
 each with its command, commit and machine; `--log` writes every round and every guard decision (the lane core's debug log) to FILE.
 """
 
@@ -196,10 +197,9 @@ def markdown(result: dict) -> str:
         markdown_line(result),
         (f"- dtype {result['dtype']}, target made decisive by {result['decisive']:g}; tok/s are medians of alternated runs, "
         "drafted / plain the median of each drafted run's ratio to the plain run just before it"),
-        "",
     ]
     if result["streams"]:
-        lines += [(f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
+        lines += ["", (f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
                   f"{result['gen_tokens']} generated per stream, {result['alternations']} alternations:"), "",
                   "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |",
                   "|---:|---:|---:|---:|:---:|---:|---:|"]
@@ -221,6 +221,7 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--name", default="engine", help="base name of the result files")
     p.add_argument("--streams", type=ints, default=[1, 4, 8, 16], help="stream counts ('' skips part 1)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=128)
@@ -245,8 +246,8 @@ def main() -> None:
         r.pop("tokens", None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "engine.md").write_text(markdown(result))
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(markdown(result))
     print(markdown(result))
 
 

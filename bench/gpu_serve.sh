@@ -2,8 +2,11 @@
 # laneserve against mlx_lm.server over HTTP, on the GPU machine, in one call of at most
 # 10 minutes (see bench/results/README.md, "Serving over HTTP"):
 #
-#   source .device/setup.sh && bash bench/gpu_serve.sh OUT
+#   source .device/setup.sh && BENCH_COMMIT=<commit> bash bench/gpu_serve.sh OUT
 #
+# BENCH_COMMIT names the commit of the tree (its copy on the GPU machine has no reliable
+# git metadata; commit first, as the copy carries uncommitted changes too): the result
+# files record it with their command and machine (bench/provenance.py).
 # For each model (random bf16 checkpoints of the LFM2.5-2.6B and LFM2.5-8B-A1B shapes,
 # each with a DSpark drafter of the published shape, made decisive so that the scripted
 # drafter keeps its track; see bench/random_checkpoint.py): start laneserve with the
@@ -14,13 +17,15 @@
 # under OUT/<model>/ (results, server logs); each step prints its progress and
 # bench_concurrent rewrites its JSON after every cell, so a cut-short call leaves what
 # it measured. Each model's bench_concurrent gets an equal share of what is left of
-# BUDGET and runs as many whole rounds as fit (the first always runs).
+# BUDGET and runs as many whole rounds as fit (the first always runs). One model's files
+# are the 8 a call of the GPU machine brings back: run MODELS=2.6b and MODELS=8b apart.
 #
 # Env: CHECKPOINTS (/root/ck), BUDGET (560 s), MIN_SECONDS (5), ROUNDS (at most; 5),
 # MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model).
 # SMOKE=1: the same on the tiny presets in float32 with short settings (a CPU check).
 set -u
-out=${1:?usage: gpu_serve.sh OUT}
+out=${1:?usage: BENCH_COMMIT=<commit> gpu_serve.sh OUT}
+[ "${SMOKE:-0}" = 1 ] || : "${BENCH_COMMIT:?usage: BENCH_COMMIT=<commit> gpu_serve.sh OUT (the commit of this tree)}"
 ck=${CHECKPOINTS:-/root/ck}
 budget=${BUDGET:-560}
 exact_reserve=${EXACT_RESERVE:-45}

@@ -1,19 +1,38 @@
 #!/bin/bash
-# The GPU benchmark suite, as run on the project's H200 (see bench/results/README.md).
+# The GPU benchmarks behind bench/results/gpu/, as run on the project's H200, one mode a
+# call (each within the 10-minute limit of one call and the 8 files that come back):
 #
-#   bash bench/gpu_suite.sh OUT 2.6b     # LFM2.5-2.6B shape: target vs mlx-lm, drafting costs, engine
-#   bash bench/gpu_suite.sh OUT engine   # LFM2.5-2.6B shape: the engine benchmark alone, with its debug log
-#   bash bench/gpu_suite.sh OUT 8b       # LFM2(.5)-8B-A1B shape: target vs mlx-lm, load memory
+#   source .device/setup.sh && BENCH_COMMIT=<commit> bash bench/gpu_suite.sh OUT MODE
 #
-# Random bf16 checkpoints of the released shapes are written under $CHECKPOINTS
-# (default /root/ck). Each step writes its own result files under OUT and a failing
-# step does not stop the next one.
+#   target    bench_target, LFM2.5-2.6B shape at 1, 8 and 16 lanes    -> gpu-lfm2.5-2.6b.{json,md}
+#   8b        bench_target, LFM2-8B-A1B shape at 16 lanes, and its
+#             load memory                                             -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
+#   drafting  bench_drafting (2.6B shape, published drafter shape),
+#             bench_default on the embedded default, greedy           -> drafting.*, default.*
+#   engine    bench_engine, scripted acceptance at the published
+#             profile, 1/4/8/16 streams                               -> engine.{json,md}, engine.log.gz
+#   long      bench_engine, acceptance falling with context, 4K to
+#             126K tokens, guards on                                  -> engine-long.{json,md}, engine-long.log.gz
+#   upkeep    bench_upkeep, 2.6B shape at 32K context                 -> upkeep.{json,md}
+#
+# Every result file records its command, commit and machine (bench/provenance.py). The
+# copy of the tree on the GPU machine has no reliable git metadata, so BENCH_COMMIT must
+# name the commit it is: commit first (the copy carries uncommitted changes too), then
+# pass `git rev-parse --short HEAD`. Each step prints its command (`== ...`) exactly as
+# its files record it, and OUT/suite-MODE.log keeps the output. Random bf16 checkpoints
+# of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
+# machine. A failing step does not stop the next one.
 set -u
-out=${1:?usage: gpu_suite.sh OUT 2.6b|engine|8b}
-shape=${2:?usage: gpu_suite.sh OUT 2.6b|engine|8b}
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep"
+out=${1:?$usage}
+mode=${2:?$usage}
+: "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
+export BENCH_COMMIT
 ck=${CHECKPOINTS:-/root/ck}
 mkdir -p "$out" "$ck"
-step() { echo "== $*"; "$@" || echo "!! step failed ($?): $*"; }
+exec > >(tee -a "$out/suite-$mode.log") 2>&1
+# Each step's command, quoted as its result files record it (shlex.join), then its seconds.
+step() { python3 -c 'import shlex, sys; print("== " + shlex.join(sys.argv[1:]))' "$@"; local began=$SECONDS; "$@" || echo "!! step failed ($?): $*"; echo "-- $((SECONDS - began)) s"; }
 
 checkpoints_2_6b() {
   [ -f "$ck/2.6b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2.5-2.6b --out "$ck/2.6b"
@@ -21,27 +40,40 @@ checkpoints_2_6b() {
     --out "$ck/2.6b-dspark" --layers 5 --heads 32 --kv-heads 8 --head-dim 64 --intermediate 6144 --rank 256 \
     --block-size 9 --taps 2,9,17,21,27 --rope-theta 1e7 --dtype bfloat16
 }
-engine_2_6b() {
-  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/engine" \
-    --alternations 5 --log "$out/engine.log"
-  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/long" --streams '' \
-    --long-contexts "${LONG_CONTEXTS:-4096,32768,126000}" --long-alternations 3 --long-gen-tokens 256 --log "$out/long.log"
-}
 
-case "$shape" in
-2.6b)
+case "$mode" in
+target)
   checkpoints_2_6b
-  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --alternations 5
-  step python -m bench.bench_drafting --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/gpu-drafting-2.6b"
-  engine_2_6b
-  ;;
-engine)
-  checkpoints_2_6b
-  engine_2_6b
+  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16
   ;;
 8b)
   [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
-  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --alternations 5
+  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --widths 16
   step python -m bench.bench_load_memory --model "$ck/8b" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
+  ;;
+drafting)
+  checkpoints_2_6b
+  step python -m bench.bench_drafting --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out"
+  step python -m bench.bench_default --out "$out"
+  ;;
+engine)
+  checkpoints_2_6b
+  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --alternations 5 \
+    --log "$out/engine.log"
+  gzip -f "$out/engine.log"
+  ;;
+long)
+  checkpoints_2_6b
+  step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name engine-long \
+    --streams '' --long-contexts 4096,32768,126000 --long-alternations 3 --long-gen-tokens 256 --log "$out/engine-long.log"
+  gzip -f "$out/engine-long.log"
+  ;;
+upkeep)
+  checkpoints_2_6b
+  step python -m bench.bench_upkeep --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out"
+  ;;
+*)
+  echo "$usage" >&2
+  exit 2
   ;;
 esac
