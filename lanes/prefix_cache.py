@@ -93,7 +93,7 @@ class PrefixCache:
         if not chain:
             return 0
         cached = len(chain) * self.block_tokens
-        keys, values, _ = (mx.concatenate([b.target[i] for b in chain], axis=2) for i in range(3))
+        keys, values = (mx.concatenate([b.target[i] for b in chain], axis=2) for i in range(2))
         self.target.restore_prefix(lane.target_slot, keys, values, chain[-1].target[2])
         if drafting:
             rows = (mx.concatenate([b.drafter[i] for b in chain], axis=2) for i in range(2))
@@ -124,7 +124,7 @@ class PrefixCache:
             if block is not None and block.tokens != tuple(tokens[start:end]):
                 break
             if block is None and end not in slot.conv_at:
-                break  # a boundary this lane did not record (it resumed past it)
+                break  # no conv state recorded there: nothing from here on can be resumed
             with_drafter = drafted >= end and (block is None or block.drafter is None)
             if with_drafter or block is None:
                 target_rows = self.target.prefix_rows(slot, start, end) if block is None else ()
