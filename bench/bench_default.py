@@ -28,7 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.prompt_lookup import PromptLookupDrafter
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.config import generation_defaults
@@ -129,11 +129,8 @@ def main() -> None:
     p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
     args = p.parse_args()
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = args.name or ("default-sampled" if args.sampled else "default")
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
+    write_result(args.out, name, result, markdown(result))
     print(markdown(result))
 
 

@@ -20,15 +20,13 @@ command, commit and machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 
@@ -139,10 +137,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     args = p.parse_args()
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{args.name}.md").write_text(markdown(result))
+    write_result(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 

@@ -33,16 +33,14 @@ each with its command, commit and machine; `--log` writes every round and every 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from bench.scripted import (
     ScriptedDrafter,
     falling_with_context_profile,
@@ -244,10 +242,7 @@ def main() -> None:
     result = run(args)
     for r in [*result["streams"].values(), *result["long_context"].values()]:
         r.pop("tokens", None)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{args.name}.md").write_text(markdown(result))
+    write_result(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 

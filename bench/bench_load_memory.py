@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 
 LOADERS = ("laneserve", "mlx-lm")
 
@@ -119,11 +119,8 @@ def main() -> None:
     }
     print(markdown(result))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         name = args.name or f"load-memory-{Path(args.model).name}"
-        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / f"{name}.md").write_text(markdown(result))
+        write_result(args.out, name, result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -26,14 +26,12 @@ lengths, not on content. Writes NAME.json and NAME.md with command, commit and m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
@@ -172,10 +170,7 @@ def main() -> None:
     if args.model is None:
         args.model, args.drafter = default_target_dir(), args.drafter or default_drafter_dir()
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{args.name}.md").write_text(markdown(result))
+    write_result(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import re
 import statistics
 import tempfile
@@ -41,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 
 # Primitives that produce views of their input and launch no kernel.
@@ -278,10 +277,7 @@ def main() -> None:
 def save(result: dict, args) -> None:
     """Write what is measured so far (after every cell: a run cut short keeps its cells)."""
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / f"{args.name}.md").write_text(markdown(result))
+        write_result(args.out, args.name, result, markdown(result))
 
 
 if __name__ == "__main__":

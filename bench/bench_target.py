@@ -24,7 +24,6 @@ in both (bf16 near-ties can split them, which says nothing about speed). Writes 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -38,7 +37,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
 from bench.bench_engine import read_prompts
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.loader import DTYPES
 from lanes.engine import Engine, EngineConfig
@@ -207,11 +206,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     args = parser.parse_args()
     result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = args.name or Path(args.model).name
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
+    write_result(args.out, name, result, markdown(result))
     print(markdown(result))
 
 

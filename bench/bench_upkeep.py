@@ -20,13 +20,11 @@ upkeep.md under --out, each with its command, commit and machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from bench.bench_engine import make_decisive, read_prompts
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.bands import Band
@@ -116,10 +114,7 @@ def main() -> None:
              "| comparison | capable / plain decode time, per alternation | median |", "|---|---|---:|"]
     for name, r in result["comparisons"].items():
         lines.append(f"| {name} | {', '.join(f'{x:.3f}' for x in r['ratios'])} | {r['median']:.3f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "upkeep.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "upkeep.md").write_text("\n".join(lines) + "\n")
+    write_result(args.out, "upkeep", result, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from bench.bench_default import PROMPTS, encode
-from bench.provenance import markdown_line, provenance
+from bench.provenance import markdown_line, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_target_dir
 from families.lfm2.train.corpus import chat_text, documents
@@ -182,10 +182,7 @@ def main() -> None:
     p.add_argument("--top-p", type=floats, default=floats("1"))
     args = p.parse_args()
     result = {**provenance(), **run(args)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sampling.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "sampling.md").write_text(markdown(result))
+    write_result(args.out, "sampling", result, markdown(result))
     print(markdown(result))
 
 

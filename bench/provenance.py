@@ -22,6 +22,7 @@ a script that rewrites its files as it goes keeps the record of the run it is.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -123,3 +124,12 @@ def markdown_line(record: dict) -> str:
     field = lambda key: record.get(key, f"{key} not recorded")
     return (f"- command: `{field('command')}` at commit {field('commit')}; {field('machine')}; "
             f"mlx {field('mlx')}; {field('date')}")
+
+
+def write_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
+    """A run's files: NAME.json (the result, provenance first) and NAME.md (its report)
+    under `out`, made if missing."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)

@@ -65,12 +65,12 @@ def test_a_writer_records_its_own_run(dense_dir, tmp_path):
 
 
 def writes_files(tree: ast.Module) -> bool:
-    """Calls write_text, or open() with a mode that writes."""
+    """Calls write_text or write_result, or open() with a mode that writes."""
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-        if name == "write_text":
+        if name in ("write_text", "write_result"):
             return True
         modes = [a.value for a in node.args[1:2] + [k.value for k in node.keywords if k.arg == "mode"] if isinstance(a, ast.Constant)]
         if name == "open" and any(isinstance(m, str) and ("w" in m or "a" in m) for m in modes):
