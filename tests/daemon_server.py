@@ -1,10 +1,14 @@
 """A real laneserve HTTP server on loopback for the daemon tests: the same `Server` the
 `serve` command runs, on its own event loop in a background thread, over an engine the
-test builds (so it can inject faults and stalls) and on a free port."""
+test builds (so it can inject faults and stalls) and on a free port; or `laneserve serve`
+itself as a process (`launch_serve`)."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 import threading
 
 import aiohttp
@@ -16,6 +20,27 @@ from families.lfm2.drafter import load_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig
 from tests.priced import price_without_timing
+
+SERVE = [sys.executable, "-c", "from daemon.cli import entry; entry()", "serve", "--port", "0"]
+
+
+def launch_serve(*flags: str) -> tuple[subprocess.Popen, threading.Event, list[str], list[str]]:
+    """`laneserve serve FLAGS` on a free port, not awaited: the process, an event set once it
+    logs `serving on` (or exits), its address (one item, once known) and its log so far
+    (kept filling in the background)."""
+    process = subprocess.Popen([*SERVE, *flags], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log, address, ready = [], [], threading.Event()
+
+    def read():
+        for line in process.stderr:
+            log.append(line)
+            if (found := re.search(r"serving on (http://\S+)", line)) and not address:
+                address.append(found.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return process, ready, address, log
 
 
 def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 64, max_model_len: int | None = None,

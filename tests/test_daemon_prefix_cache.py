@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.cli import byte_size, main
 from lanes.prefix_cache import BLOCK_TOKENS
-from tests.daemon_server import http
+from tests.daemon_server import http, launch_serve
 
-ENTRY = "from daemon.cli import entry; entry()"
 GREEDY = {"model": "tiny", "temperature": 0, "max_tokens": 8}
 USAGE = {"include_usage": True}
 BYPASS = {"cache_prompt": False}
@@ -55,21 +53,7 @@ class Daemon:
 
 
 def start(model_dir, *flags: str) -> tuple[subprocess.Popen, threading.Event, list[str], list[str]]:
-    process = subprocess.Popen(
-        [sys.executable, "-c", ENTRY, "serve", "--model", str(model_dir), "--served-model-name", "tiny", "--port", "0",
-         *flags], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    log, address, ready = [], [], threading.Event()
-
-    def read():
-        for line in process.stderr:
-            log.append(line)
-            if (found := re.search(r"serving on (http://\S+)", line)) and not address:
-                address.append(found.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return process, ready, address, log
+    return launch_serve("--model", str(model_dir), "--served-model-name", "tiny", *flags)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,12 @@ import json
 import re
 import signal
 import subprocess
-import sys
-import threading
 
 import aiohttp
 import pytest
 
 from families.lfm2.tiny_drafter import make_tiny_drafter
-
-ENTRY = "from daemon.cli import entry; entry()"
+from tests.daemon_server import launch_serve
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +25,7 @@ def drafter_dir(dense_dir, tmp_path_factory):
 def start(*flags: str) -> tuple[subprocess.Popen, str, list[str]]:
     """The server process, its address once it logs `serving on`, and its log so far (kept
     filling in the background)."""
-    proc = subprocess.Popen([sys.executable, "-c", ENTRY, "serve", "--port", "0", *flags],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    log, ready = [], threading.Event()
-    address = []
-
-    def read():
-        for line in proc.stderr:
-            log.append(line)
-            if (found := re.search(r"serving on (http://\S+)", line)) and not address:
-                address.append(found.group(1))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    proc, ready, address, log = launch_serve(*flags)
     if not ready.wait(60) or not address:
         proc.kill()
         pytest.fail("the server did not start:\n" + "".join(log))
