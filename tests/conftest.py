@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 from families.lfm2.tiny import make_tiny_target
+from families.lfm2.tiny_drafter import make_tiny_drafter
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +26,17 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_fused_dir(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("moe_fused"), "lfm2_moe", seed=2, expert_layout="fused")
+
+
+@pytest.fixture(scope="session")
+def drafter_dir(dense_dir, tmp_path_factory):
+    """A DSpark drafter for `dense_dir` (a module that needs another shape defines its own)."""
+    return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
+
+
+@pytest.fixture(scope="session")
+def moe_drafter_dir(moe_dir, tmp_path_factory):
+    return make_tiny_drafter(tmp_path_factory.mktemp("moe_drafter"), moe_dir, seed=6, block_size=9)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -35,16 +35,6 @@ MAX_TOKENS = 40
 PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the drafter's block of 9
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(dense_dir, tmp_path_factory):
-    return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
-
-
-@pytest.fixture(scope="module")
-def moe_drafter_dir(moe_dir, tmp_path_factory):
-    return make_tiny_drafter(tmp_path_factory.mktemp("moe_drafter"), moe_dir, seed=6, block_size=9)
-
-
 def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False):
     loaded = open_target(path, max_lanes=lanes)
     drafter = None

@@ -11,7 +11,6 @@ import pytest
 
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
-from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
@@ -25,11 +24,6 @@ from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_ti
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(100 + i).integers(15, 500, 3 + 2 * i)] for i in range(16)]
 LENGTHS = [12 + 3 * (i % 7) for i in range(16)]
 PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the drafter's block of 9
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(dense_dir, tmp_path_factory):
-    return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
 
 
 def make_engine(path, drafter_dir=None, sequences=None, lanes=16, timed=True, **config):

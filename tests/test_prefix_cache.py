@@ -11,7 +11,6 @@ import pytest
 from bench.scripted import ScriptedDrafter, published_profile
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
-from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.prefix_cache import PrefixCache, block_digest
@@ -24,16 +23,6 @@ GREEDY, SEEDED = SamplingParams(), SamplingParams(temperature=1.0, seed=11)
 
 def tokens(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(15, 500, n)]
-
-
-@pytest.fixture(scope="module")
-def drafter_dir(dense_dir, tmp_path_factory):
-    return make_tiny_drafter(tmp_path_factory.mktemp("drafter"), dense_dir, seed=5, block_size=9)
-
-
-@pytest.fixture(scope="module")
-def moe_drafter_dir(moe_dir, tmp_path_factory):
-    return make_tiny_drafter(tmp_path_factory.mktemp("moe_drafter"), moe_dir, seed=6, block_size=9)
 
 
 def engine_for(path, drafter_dir=None, cache=BUDGET, lanes=4, width=4, scripted=None):
