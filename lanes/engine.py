@@ -170,11 +170,12 @@ class Engine:
             [Request(prompt(i), rows, draft=False, id=f"warm-up-{i}") for i in range(lanes)],  # plain, pipelined
             [Request(prompt(0), rows, id="warm-up-0")],
         ]
-        # A prefix read, then resumed: its copies run kernels of their own.
-        cached = min(2 * self.prefix_cache.block_tokens + 1, self.target.context_limit - rows) if self.prefix_cache else 0
-        if self.prefix_cache is not None and cached > self.prefix_cache.block_tokens:
-            blocks = [1 + j % (vocab - 1) for j in range(cached)]
-            batches += [[Request(blocks, rows, id="warm-up-0")], [Request(blocks, rows, id="warm-up-0")]]
+        if self.prefix_cache is not None:  # a prefix read, then resumed: its copies run kernels of their own
+            block = self.prefix_cache.block_tokens
+            length = min(2 * block + 1, self.target.context_limit - rows)
+            if length > block:
+                read = [1 + j % (vocab - 1) for j in range(length)]
+                batches += [[Request(read, rows, id="warm-up-0")], [Request(read, rows, id="warm-up-0")]]
         with self._lock:
             totals, finished = dict(self._totals), Counter(self._finished_by_reason)
         with rehearsal(self.rounds):

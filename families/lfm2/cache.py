@@ -256,6 +256,19 @@ class KVPool:
         return 2 * self.slots * self.kv_heads * self.head_dim * self.dtype.size
 
 
+def stacked_rows(pools: list[KVPool], slot: int, start: int, end: int) -> tuple[mx.array, mx.array]:
+    """Copies of one slot's keys and values at positions start..end-1 in every pool,
+    `[pools, kv_heads, n, D]` each (lazy)."""
+    rows = [pool.rows(slot, start, end) for pool in pools]
+    return mx.stack([k for k, _ in rows]), mx.stack([v for _, v in rows])
+
+
+def put_stacked_rows(pools: list[KVPool], slot: int, keys: mx.array, values: mx.array) -> None:
+    """Store `stacked_rows` at one slot's positions 0..n-1, pool by pool."""
+    for pool, k, v in zip(pools, keys, values, strict=True):
+        pool.put(slot, k, v)
+
+
 class SlotAllocator:
     """Hands out the slots of a model's pools and takes them back. When a lane leaves,
     the KV pools shrink to what the longest remaining lane needs, so memory returns to

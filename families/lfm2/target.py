@@ -22,10 +22,20 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import ConvPool, KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, plans_per_shape, row_bucket
+from .cache import (
+    ConvPool,
+    KVPool,
+    LaneSlot,
+    RaggedLayout,
+    SlotAllocator,
+    Traces,
+    plans_per_shape,
+    put_stacked_rows,
+    row_bucket,
+    stacked_rows,
+)
 from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
-
 
 
 class ContextLimitError(ValueError):
@@ -300,8 +310,7 @@ class Lfm2Target:
         `[conv layers, L-1, H]` (lazy). `end` must be a boundary the lane recorded."""
         if end not in lane.conv_at:
             raise KeyError(f"no conv state was recorded at position {end} of slot {lane.slot}")
-        rows = [self.kv[i].rows(lane.slot, start, end) for i in self.config.attention_layers]
-        return mx.stack([k for k, _ in rows]), mx.stack([v for _, v in rows]), lane.conv_at[end]
+        return *stacked_rows(list(self.kv.values()), lane.slot, start, end), lane.conv_at[end]
 
     def restore_prefix(self, lane: LaneSlot, keys: mx.array, values: mx.array, conv: mx.array) -> None:
         """Start a fresh lane from a prefix of n tokens read before (see `prefix_rows`):
@@ -309,8 +318,7 @@ class Lfm2Target:
         if lane.length:
             raise ValueError(f"slot {lane.slot} already holds {lane.length} tokens; a prefix restores into a fresh lane only")
         n = keys.shape[2]
-        for j, i in enumerate(self.config.attention_layers):
-            self.kv[i].put(lane.slot, keys[j], values[j])
+        put_stacked_rows(list(self.kv.values()), lane.slot, keys, values)
         for j, i in enumerate(self.config.conv_layers):
             self.conv[i].state[lane.slot] = conv[j].astype(self.dtype)
         self._conv_version += 1

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import KVPool, LaneSlot, RaggedLayout, SlotAllocator, Traces, row_bucket
+from ..cache import (
+    KVPool,
+    LaneSlot,
+    RaggedLayout,
+    SlotAllocator,
+    Traces,
+    put_stacked_rows,
+    row_bucket,
+    stacked_rows,
+)
 from ..model import Lfm2Model
 from .model import DSparkModel
 
@@ -149,8 +158,7 @@ class DSparkDrafter:
         `[layers, kv_heads, n, D]` (lazy)."""
         if end > lane.length:
             raise ValueError(f"drafter slot {lane.slot} holds {lane.length} context rows, not {end}")
-        rows = [pool.rows(lane.slot, start, end) for pool in self.kv]
-        return mx.stack([k for k, _ in rows]), mx.stack([v for _, v in rows])
+        return stacked_rows(self.kv, lane.slot, start, end)
 
     def restore_context(self, lane: LaneSlot, tokens: list[int], keys: mx.array, values: mx.array) -> None:
         """Start a fresh lane's context from the rows of `tokens` read before (see
@@ -159,8 +167,7 @@ class DSparkDrafter:
             raise ValueError(f"drafter slot {lane.slot} already holds {lane.length} rows; a prefix restores into a fresh lane only")
         if keys.shape[2] != len(tokens):
             raise ValueError(f"drafter slot {lane.slot}: {keys.shape[2]} context rows for {len(tokens)} tokens")
-        for j, pool in enumerate(self.kv):
-            pool.put(lane.slot, keys[j], values[j])
+        put_stacked_rows(self.kv, lane.slot, keys, values)
         lane.length = keys.shape[2]
 
     def validate(self, proposal: Proposal) -> list[DraftError | None]:
