@@ -56,6 +56,7 @@ class DraftStats:
     proposed: int = 0  # drafts verified by the target
     accepted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
+    looked_up_rounds: int = 0  # drafted rounds whose drafts were looked up in the lane's own tokens
     errors: list[str] = field(default_factory=list)  # DraftErrors seen (the lane went on plain)
 
     def as_dict(self) -> dict:
@@ -65,6 +66,7 @@ class DraftStats:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "accepted_per_round": list(self.accepted_per_round),
+            "looked_up_rounds": self.looked_up_rounds,
         }
 
 
@@ -153,6 +155,7 @@ class Lane:
         # Committed rows not yet in the drafter's context: their taps and token ids.
         self.pending_taps: list = []
         self.pending_tokens: list[int] = []
+        self.ngrams = None  # an NgramIndex of the lane's tokens, once prompt lookup asks for one
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache, not read
         self.cached_blocks: list = []  # the prefix cache's blocks this lane pins while it runs
         self._detokenizer = detokenizer

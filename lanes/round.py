@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
+from .lookup import MAX_NGRAM, LookupChances, NgramIndex
 from .penalty import SeenTokens, mark, penalize
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
 from .sampling import choose, row_keys
@@ -34,6 +36,10 @@ VERIFY_WIDTH_CEILING = 32
 # Verify rounds round their attention's key span up to a multiple of this (see the
 # target's RaggedLayout): steady shapes from round to round.
 KEY_BUCKET = 256
+# The drafter's yield (accepted drafts per window) is the mean of its last this many
+# windows; lookup is weighed against it once it has at least MIN_DRAFTER_WINDOWS.
+DRAFTER_YIELD_WINDOWS = 256
+MIN_DRAFTER_WINDOWS = 16
 
 
 def drafter_pick(lanes: list[Lane], width: int):
@@ -63,6 +69,18 @@ class PlainDispatch:
 
 
 @dataclass
+class Draft:
+    """One lane's proposal this round: from the drafter (`ngram` 0) or looked up in its
+    own tokens after a match of `ngram` tokens."""
+
+    tokens: list[int]
+    chances: list[float]  # a_k: the chance that drafts 1..k all survive (calibrated)
+    problem: object = None  # the drafter's DraftError for this lane, if its proposal is unusable
+    raw: list[float] | None = None  # the drafter's raw confidences, for calibration
+    ngram: int = 0
+
+
+@dataclass
 class RoundReport:
     """What one round did, for metrics and logs."""
 
@@ -72,6 +90,7 @@ class RoundReport:
     emitted: int
     seconds: float
     drafting_lanes: int = 0
+    looked_up_lanes: int = 0  # drafting lanes whose proposal was looked up, not drafted
     draft_seconds: float = 0.0
     proposed_per_position: list[int] = field(default_factory=list)  # verified drafts at position k
     accepted_per_position: list[int] = field(default_factory=list)
@@ -81,10 +100,13 @@ class RoundReport:
 class RoundRunner:
     """Runs prefill and rounds for the engine. `draft_width` fixes the verify rows of a
     drafted round (anchor + W-1 drafts, every round); None prices them per round and lets
-    the guard decide whether to draft at all."""
+    the guard decide whether to draft at all. `prompt_lookup` n > 0 lets a drafting lane
+    take a proposal looked up in its own tokens (a match of at least n tokens) where it
+    is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
-                 costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None):
+                 costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None,
+                 prompt_lookup: int = 0):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
@@ -106,6 +128,12 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.calibrator = ConfidenceCalibrator(self.proposals)
+            if not 0 <= prompt_lookup <= MAX_NGRAM:
+                raise ValueError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from), got {prompt_lookup}")
+            self.prompt_lookup = prompt_lookup
+            self.lookup_chances = LookupChances(MAX_NGRAM, self.proposals)
+            self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
+            self._draft_seconds: float | None = None  # the drafter's last forward, when it ran alone
 
     def verify_width(self, rows: int) -> int:
         """Rows every lane of a drafted round feeds: the widest window's, bucketed where
@@ -298,39 +326,83 @@ class RoundRunner:
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         """Draft, price, verify, commit: the phases of a drafted round, in order."""
-        drafts, confidences, problems = self._draft(drafting)
+        drafts = self._draft(lanes, drafting)
         draft_seconds = self.clock() - started
-        depths = self._price(lanes, drafting, confidences, problems, draft_seconds)
+        depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
         out, outcomes = self._verify(lanes, windows)
-        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, confidences, out, outcomes)
+        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
-                             draft_seconds, proposed_at, accepted_at)
+                             sum(1 for d in drafts if d.ngram), draft_seconds, proposed_at, accepted_at)
         return events, report
 
-    def _draft(self, drafting: list[Lane]) -> tuple[list[list[int]], list[list[float]], list]:
-        """Bring the drafting lanes' contexts up to date and propose for all of them in one
-        batched forward: each lane's drafts, raw confidences, and problem (None if sound)."""
-        self.fold_pending(drafting)
+    def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> list[Draft]:
+        """Each drafting lane's proposal: looked up where that is worth more (see
+        `_looked_up`), the rest from one batched drafter forward, their contexts first
+        brought up to date. A drafter forward that ran for every lane times the drafter."""
         g = self.proposals
-        # Verification compares tokens only: the chain's float32 logits are never read.
-        proposal = self.drafter.propose([lane.drafter_slot for lane in drafting], [lane.anchor for lane in drafting], g,
-                                        drafter_pick(drafting, g), chain_logits=False)
-        mx.eval(proposal.arrays())
-        problems = self.drafter.validate(proposal)
-        for lane, problem in zip(drafting, problems):
-            if problem is not None:
-                lane.stats.errors.append(str(problem))
-                log.warning("lane %s: %s; its round runs plain", lane.id, problem)
-        confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in drafting]
-        return proposal.tokens.tolist(), confidences, problems
+        looked = self._looked_up(lanes, drafting)
+        asked = [lane for lane in drafting if id(lane) not in looked]
+        drafted: dict[int, Draft] = {}
+        if asked:
+            began = self.clock()
+            self.fold_pending(asked)
+            # Verification compares tokens only: the chain's float32 logits are never read.
+            proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
+                                            drafter_pick(asked, g), chain_logits=False)
+            mx.eval(proposal.arrays())
+            if len(asked) == len(drafting):
+                self._draft_seconds = self.clock() - began
+            problems = self.drafter.validate(proposal)
+            confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in asked]
+            for lane, tokens, raw, problem in zip(asked, proposal.tokens.tolist(), confidences, problems):
+                if problem is not None:
+                    lane.stats.errors.append(str(problem))
+                    log.warning("lane %s: %s; its round runs plain", lane.id, problem)
+                drafted[id(lane)] = Draft(tokens, chain_chances(self.calibrator.calibrate(raw)), problem, raw)
+        return [looked.get(id(lane)) or drafted[id(lane)] for lane in drafting]
 
-    def _price(self, lanes: list[Lane], drafting: list[Lane], confidences: list[list[float]], problems: list,
-               draft_seconds: float) -> list[int]:
+    def _looked_up(self, lanes: list[Lane], drafting: list[Lane]) -> dict[int, Draft]:
+        """The drafting lanes (by id) whose looked-up proposal is worth more than the
+        drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
+        the sum of its chain chances and T the verify round's time, plus the drafter's
+        for the drafter. The drafter's E is its recent mean yield; until it has one,
+        every lane drafts."""
+        if not self.prompt_lookup or len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
+            return {}
+        drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
+        try:
+            verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
+            drafter_share = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
+        except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
+            drafter_share = 1.0
+        looked = {}
+        for lane in drafting:
+            tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
+            tokens = tokens[: max(lane.remaining - 1, 0)]
+            if not tokens:
+                continue
+            chances = chain_chances(self.lookup_chances.confidences(n, len(tokens)))
+            if 1 + sum(chances) >= (1 + drafter_yield) * drafter_share:
+                looked[id(lane)] = Draft(tokens, chances, ngram=n)
+        return looked
+
+    @staticmethod
+    def _ngrams(lane: Lane) -> NgramIndex:
+        """The lane's n-gram index, extended with the tokens committed since (anchor last)."""
+        if lane.ngrams is None:
+            lane.ngrams = NgramIndex()
+        index, prompt = lane.ngrams, lane.request.prompt
+        known = len(index.tokens)
+        index.extend(prompt[known:] if known < len(prompt) else ())
+        index.extend(lane.generated[max(known - len(prompt), 0):])
+        return index
+
+    def _price(self, lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], draft_seconds: float) -> list[int]:
         """Every drafting lane's verify depth, decided before the target runs: all it may
         take at a fixed width, else the DSpark prefix scheduler over calibrated chances."""
-        caps = [0 if problem else min(self.proposals, lane.remaining - 1) for lane, problem in zip(drafting, problems)]
+        caps = [0 if d.problem else min(self.proposals, len(d.tokens), lane.remaining - 1) for lane, d in zip(drafting, drafts)]
         if self.draft_width is not None:
             return caps
         # Priced by real rows, though steady shapes pad them (see _verify): where padding
@@ -339,7 +411,7 @@ class RoundRunner:
         context = max(lane.context for lane in lanes)
         try:
             return plan_depths(
-                [chain_chances(self.calibrator.calibrate(c)) for c in confidences],
+                [d.chances for d in drafts],
                 plain_rows=len(lanes) - len(drafting),
                 round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
                 draft_seconds=draft_seconds,
@@ -349,10 +421,10 @@ class RoundRunner:
             return caps
 
     @staticmethod
-    def _windows(lanes: list[Lane], drafting: list[Lane], drafts: list[list[int]], depths: list[int]) -> list[Window]:
+    def _windows(lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], depths: list[int]) -> list[Window]:
         """Each lane's verify window: its anchor and the drafts priced in (none for lanes
         that do not draft this round)."""
-        depth_of = {id(lane): (row, depth) for lane, row, depth in zip(drafting, drafts, depths)}
+        depth_of = {id(lane): (d.tokens, depth) for lane, d, depth in zip(drafting, drafts, depths)}
         windows = []
         for lane in lanes:
             row, depth = depth_of.get(id(lane), ([], 0))
@@ -390,13 +462,14 @@ class RoundRunner:
         seen = self.seen.rows(lanes, out.widths)
         return mark(seen, rows, tokens) if rows else seen
 
-    def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], confidences: list[list[float]],
+    def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], drafts: list[Draft],
                 out, outcomes) -> tuple[list, list[int], list[int]]:
         """Keep each lane's accepted rows (KV trimmed, conv state rebuilt, taps queued for
-        the drafter), emit its tokens, and learn from the outcome (calibration, stats)."""
+        the drafter), emit its tokens, and learn from the outcome (calibration, lookup
+        chances, the drafter's yield, stats)."""
         self.target.commit(out, [1 + o.accepted for o in outcomes])
         mx.async_eval(self.target.state_arrays())  # the next round builds while this lands
-        raw = {id(lane): c for lane, c in zip(drafting, confidences)}
+        draft_of = {id(lane): d for lane, d in zip(drafting, drafts)}
         events = []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
@@ -406,11 +479,17 @@ class RoundRunner:
             lane.stats.rounds += 1
             depth = len(window.drafts)
             if depth:
+                draft = draft_of[id(lane)]
                 lane.stats.drafted_rounds += 1
                 lane.stats.proposed += depth
                 lane.stats.accepted += outcome.accepted
                 lane.stats.accepted_per_round.append(outcome.accepted)
-                self.calibrator.observe(raw[id(lane)][:depth], depth, outcome.accepted)
+                if draft.ngram:
+                    lane.stats.looked_up_rounds += 1
+                    self.lookup_chances.observe(draft.ngram, depth, outcome.accepted)
+                else:
+                    self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
+                    self._drafter_yield.append(outcome.accepted)
                 for k in range(depth):
                     proposed_at[k] += 1
                     accepted_at[k] += k < outcome.accepted

@@ -10,6 +10,7 @@ to throwaway instances.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -17,6 +18,7 @@ import mlx.core as mx
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard
+from .lookup import MAX_NGRAM, LookupChances
 from .pricing import CostTable
 from .round import KEY_BUCKET, RoundRunner
 
@@ -25,17 +27,20 @@ from .round import KEY_BUCKET, RoundRunner
 def rehearsal(runner: RoundRunner):
     """Rounds run inside draft every round they can, and what they would teach goes to
     throwaway instances; the runner's own come back afterwards."""
-    kept = runner.guard, runner.costs, runner.counters, getattr(runner, "calibrator", None), runner.draft_width
+    kept = runner.guard, runner.costs, runner.counters, runner.draft_width
     runner.guard, runner.costs, runner.counters = DraftGuard(), CostTable(), RoundCounters()
     if runner.drafter is not None:
+        learned = runner.calibrator, runner.lookup_chances, runner._drafter_yield, runner._draft_seconds
         runner.calibrator = ConfidenceCalibrator(runner.proposals)
+        runner.lookup_chances = LookupChances(MAX_NGRAM, runner.proposals)
+        runner._drafter_yield = deque(maxlen=runner._drafter_yield.maxlen)
         runner.draft_width = runner.proposals + 1
     try:
         yield
     finally:
-        runner.guard, runner.costs, runner.counters, calibrator, runner.draft_width = kept
-        if calibrator is not None:
-            runner.calibrator = calibrator
+        runner.guard, runner.costs, runner.counters, runner.draft_width = kept
+        if runner.drafter is not None:
+            runner.calibrator, runner.lookup_chances, runner._drafter_yield, runner._draft_seconds = learned
 
 
 def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
