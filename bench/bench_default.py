@@ -10,8 +10,9 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
 - mean accepted drafts per drafted round at the trained verify width, for the DSpark
   drafter and for a prompt-lookup n-gram baseline measured the same way (same engine,
   same width, same verification);
-- decode tok/s: plain, DSpark at the fixed trained width, and DSpark priced with guards
-  (as `laneserve generate` runs it), plain and drafted alternated per prompt.
+- decode tok/s: plain, DSpark at the fixed trained width, DSpark priced with guards, and
+  DSpark priced with guards and prompt lookup beside it (as `laneserve generate` runs
+  it), plain and drafted alternated per prompt.
 
 Every drafted output is checked against the plain one. Writes NAME.json and NAME.md
 under --out (`--name`; default: default, or default-sampled with `--sampled`), each with its command, commit
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from bench.prompt_lookup import PromptLookupDrafter
 from bench.provenance import markdown_line, provenance, write_result
+from daemon.cli import DEFAULT_PROMPT_LOOKUP
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.config import generation_defaults
@@ -59,8 +61,9 @@ def run(args) -> dict:
     dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
     width = args.width or dspark.width + 1
 
-    def engine(drafter=None, draft_width=None):
-        e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=draft_width))
+    def engine(drafter=None, draft_width=None, prompt_lookup=0):
+        e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
+                   EngineConfig(max_streams=1, draft_width=draft_width, prompt_lookup=prompt_lookup))
         if drafter is not None and draft_width is None:
             e.warm_up()
         return e
@@ -69,6 +72,7 @@ def run(args) -> dict:
         "plain": engine(),
         "dspark_fixed": engine(dspark, width),
         "dspark_priced": engine(dspark),
+        "dspark_lookup_priced": engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP),
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
     }
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
@@ -79,6 +83,7 @@ def run(args) -> dict:
     tokens = {name: 0 for name in engines}
     seconds = {name: 0.0 for name in engines}
     accepted = {name: [] for name in engines}
+    looked_up = {name: 0 for name in engines}
     exact = True
     for prompt, sampling in zip(prompts, samplings):
         plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
@@ -88,6 +93,7 @@ def run(args) -> dict:
             tokens[name] += len(done.token_ids)
             seconds[name] += spent
             accepted[name] += done.draft.accepted_per_round
+            looked_up[name] += done.draft.looked_up_rounds
     sampling = {k: v for k, v in asdict(samplings[0]).items() if k != "seed"}
     result = {**record, "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
               "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "engines": {}}
@@ -97,6 +103,7 @@ def run(args) -> dict:
             "speedup": (tokens[name] / seconds[name]) / (tokens["plain"] / seconds["plain"]),
             "mean_accepted_per_drafted_round": statistics.mean(accepted[name]) if accepted[name] else 0.0,
             "drafted_rounds": len(accepted[name]),
+            "looked_up_rounds": looked_up[name],
         }
     return result
 
@@ -109,11 +116,12 @@ def markdown(result: dict) -> str:
         (f"{result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
         f"one stream, {result['dtype']}; verify width {result['width']}; drafted outputs equal plain: {result['exact']}."),
         "",
-        "| engine | tok/s | vs plain | accepted drafts per drafted round |",
-        "|---|---:|---:|---:|",
+        "| engine | tok/s | vs plain | accepted drafts per drafted round | drafted rounds | of them looked up |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, r in result["engines"].items():
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['mean_accepted_per_drafted_round']:.2f} |")
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['mean_accepted_per_drafted_round']:.2f} "
+                     f"| {r['drafted_rounds']} | {r['looked_up_rounds']} |")
     return "\n".join(lines) + "\n"
 
 

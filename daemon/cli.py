@@ -31,6 +31,7 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, RequestError
 from lanes.lane import Request
+from lanes.lookup import MAX_NGRAM
 from lanes.sampling import SamplingParams
 
 from .serve import add_serve
@@ -43,6 +44,8 @@ class UsageError(Exception):
 
 # What a user can cause and fix. Only these are reported as the user's: a ValueError or
 # RuntimeError from deep inside is laneserve's own fault and must not read as a bad flag.
+# Prompt lookup beside the drafter, from matches of at least this many tokens (lanes/lookup.py).
+DEFAULT_PROMPT_LOOKUP = 2
 USER_ERRORS = (UsageError, CheckpointError, RequestError, ServiceError, OSError)
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
@@ -112,6 +115,10 @@ def add_drafting(p) -> None:
                    "default: priced each round from the drafter's confidences, with guards deciding whether to draft")
     p.add_argument("--drafter-bits", type=int, help="opt-in: quantize the drafter's linear layers to 8 bits at load "
                    "(MLX affine, group 64); default: the released weights as they are")
+    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP, metavar="N",
+                   help="let a drafting lane copy drafts from where its last N or more tokens (N in 1..3) occurred before "
+                   "in its prompt or reply, when that is worth more than the drafter's proposal; 0 drafts with the "
+                   f"drafter only (default {DEFAULT_PROMPT_LOOKUP})")
 
 
 def resolve_models(args) -> None:
@@ -127,6 +134,9 @@ def resolve_models(args) -> None:
 
 def open_drafter(args, loaded):
     """The drafter the flags ask for, or None."""
+    if not 0 <= args.prompt_lookup <= MAX_NGRAM:
+        raise UsageError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from; 0 turns it off), "
+                         f"got {args.prompt_lookup}")
     if args.draft_model is None:
         if args.draft_width is not None or args.drafter_bits is not None:
             raise UsageError("--draft-width and --drafter-bits need --draft-model")
@@ -182,7 +192,8 @@ def run_generate(args) -> int:
     else:
         prompt = tokenizer.encode(raw)
     drafter = open_drafter(args, loaded)
-    engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width))
+    engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width,
+                                                                                   prompt_lookup=args.prompt_lookup))
     client = EngineClient(engine)
     client.start(warm_up=drafter is not None and args.draft_width is None and not args.no_draft)
     try:

@@ -153,6 +153,8 @@ class EngineCollector:
         yield by("request_success", "Finished requests by finish reason.", "finished_reason", s["requests_finished"])
 
         yield counter("spec_decode_num_drafts", "Lane-rounds that verified at least one draft.", s["drafts_total"])
+        yield counter("prompt_lookup_num_drafts", "Lane-rounds whose verified drafts were copied by prompt lookup "
+                      "(counted in spec_decode_num_drafts too).", s["looked_up_drafts_total"])
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s["draft_tokens_total"])
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["accepted_tokens_total"])
         yield by("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the block.",

@@ -97,11 +97,13 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Servi
     drafter = None if args.no_draft else open_drafter(args, loaded)
     if drafter is None:
         log.info("drafter: none, every round plain")
+    elif args.prompt_lookup:
+        log.info("prompt lookup: drafts may be copied from earlier matches of %d+ tokens in a lane's own text", args.prompt_lookup)
     restore_wired = wire_for_serving(target, drafter, max_model_len, log)  # Metal only; a no-op elsewhere
     # The default is measured here, with the weights already in memory.
     cache_bytes = default_budget_bytes() if args.prefix_cache_bytes is None else args.prefix_cache_bytes
     engine_config = EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width,
-                                 prefix_cache_bytes=cache_bytes)
+                                 prompt_lookup=args.prompt_lookup, prefix_cache_bytes=cache_bytes)
     engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter, engine_config)
     log.info("lanes: up to %d per round, %d waiting at most", args.max_streams, args.max_queue)
     log.info("context: %d tokens per request (prompt + max_tokens)", max_model_len)

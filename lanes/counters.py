@@ -24,6 +24,7 @@ class RoundCounters:
         self.emitted = 0
         self.round_seconds = 0.0
         self.draft_seconds = 0.0
+        self.looked_up_windows = 0  # lane-rounds that verified drafts copied by prompt lookup
         self.last_round_seconds = 0.0
         self.proposed_at: list[int] = []  # verified drafts by position (1-based index k-1)
         self.accepted_at: list[int] = []
@@ -40,6 +41,7 @@ class RoundCounters:
             self.round_seconds += report.seconds
             self.last_round_seconds = report.seconds
             self.draft_seconds += report.draft_seconds
+            self.looked_up_windows += report.looked_up_lanes
             for k, (proposed, accepted) in enumerate(zip(report.proposed_per_position, report.accepted_per_position)):
                 if k == len(self.proposed_at):
                     self.proposed_at.append(0)
@@ -63,6 +65,7 @@ class RoundCounters:
                 "draft_seconds": self.draft_seconds,
                 # Lane-rounds that verified at least one draft: those that verified a first.
                 "drafts_total": self.proposed_at[0] if self.proposed_at else 0,
+                "looked_up_drafts_total": self.looked_up_windows,
                 "draft_tokens_total": sum(self.proposed_at),
                 "accepted_tokens_total": sum(self.accepted_at),
                 "proposed_per_position": list(self.proposed_at),

@@ -39,7 +39,7 @@ KEY_BUCKET = 256
 # The drafter's yield (accepted drafts per window) is the mean of its last this many
 # windows; lookup is weighed against it once it has at least MIN_DRAFTER_WINDOWS.
 DRAFTER_YIELD_WINDOWS = 256
-MIN_DRAFTER_WINDOWS = 16
+MIN_DRAFTER_WINDOWS = 8
 
 
 def drafter_pick(lanes: list[Lane], width: int):
@@ -90,7 +90,7 @@ class RoundReport:
     emitted: int
     seconds: float
     drafting_lanes: int = 0
-    looked_up_lanes: int = 0  # drafting lanes whose proposal was looked up, not drafted
+    looked_up_lanes: int = 0  # lanes that verified drafts looked up in their own tokens, not drafted
     draft_seconds: float = 0.0
     proposed_per_position: list[int] = field(default_factory=list)  # verified drafts at position k
     accepted_per_position: list[int] = field(default_factory=list)
@@ -334,7 +334,7 @@ class RoundRunner:
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
-                             sum(1 for d in drafts if d.ngram), draft_seconds, proposed_at, accepted_at)
+                             sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at)
         return events, report
 
     def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> list[Draft]:
@@ -367,16 +367,19 @@ class RoundRunner:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
         drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
         the sum of its chain chances and T the verify round's time, plus the drafter's
-        for the drafter. The drafter's E is its recent mean yield; until it has one,
-        every lane drafts."""
-        if not self.prompt_lookup or len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
+        for the drafter. The drafter's E is its recent mean yield; until it has one, a
+        lookup is taken where it expects to keep a draft (E >= 1): it costs nothing to
+        propose, and the drafter gets the lanes without a match."""
+        if not self.prompt_lookup:
             return {}
-        drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
-        try:
-            verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
-            drafter_share = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
-        except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
-            drafter_share = 1.0
+        drafter_yield = None
+        if len(self._drafter_yield) >= MIN_DRAFTER_WINDOWS:
+            drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
+            try:
+                verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
+                drafter_share = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
+            except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
+                drafter_share = 1.0
         looked = {}
         for lane in drafting:
             tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
@@ -384,7 +387,8 @@ class RoundRunner:
             if not tokens:
                 continue
             chances = chain_chances(self.lookup_chances.confidences(n, len(tokens)))
-            if 1 + sum(chances) >= (1 + drafter_yield) * drafter_share:
+            expected = sum(chances)
+            if expected >= 1 if drafter_yield is None else 1 + expected >= (1 + drafter_yield) * drafter_share:
                 looked[id(lane)] = Draft(tokens, chances, ngram=n)
         return looked
 
