@@ -37,13 +37,17 @@ class NgramIndex:
             self.tokens.append(token)
 
     def propose(self, width: int, min_ngram: int = 1) -> tuple[list[int], int]:
-        """Up to `width` tokens that followed the latest earlier occurrence of the longest
+        """`width` tokens copied from after the latest earlier occurrence of the longest
         suffix of at least `min_ngram` tokens, and that suffix's length n ([] and 0 when
-        none occurred before)."""
-        for n in range(min(self.max_ngram, len(self.tokens)), min_ngram - 1, -1):
+        none occurred before). A copy that reaches the end of the tokens goes on through
+        what it copied, so a loop of period p proposes the whole width, not p tokens."""
+        for n in range(min(self.max_ngram, len(self.tokens)), max(min_ngram, 1) - 1, -1):
             start = self._followed[n].get(tuple(self.tokens[-n:]))
             if start is not None:
-                return self.tokens[start : start + width], n
+                copied = self.tokens[start : start + width]
+                while len(copied) < width:  # tokens[start + i] of the sequence the copy extends
+                    copied.append(copied[start + len(copied) - len(self.tokens)])
+                return copied, n
         return [], 0
 
 

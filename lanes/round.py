@@ -120,6 +120,9 @@ class RoundRunner:
         self.steady_shapes = target.plans_per_shape() if steady_shapes is None else steady_shapes
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
+        if not 0 <= prompt_lookup <= MAX_NGRAM:
+            raise ValueError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from), got {prompt_lookup}")
+        self.prompt_lookup = prompt_lookup if drafter is not None else 0
         if drafter is not None:
             if draft_width is not None and not 2 <= draft_width <= min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING):
                 raise ValueError(
@@ -128,12 +131,10 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.calibrator = ConfidenceCalibrator(self.proposals)
-            if not 0 <= prompt_lookup <= MAX_NGRAM:
-                raise ValueError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from), got {prompt_lookup}")
-            self.prompt_lookup = prompt_lookup
-            self.lookup_chances = LookupChances(MAX_NGRAM, self.proposals)
+            # Kept apart for greedy (True) and sampled lanes: a sampled lane keeps fewer copies.
+            self.lookup_chances = {greedy: LookupChances(MAX_NGRAM, self.proposals) for greedy in (True, False)}
             self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
-            self._draft_seconds: float | None = None  # the drafter's last forward, when it ran alone
+            self._draft_seconds: float | None = None  # the drafter's last forward
 
     def verify_width(self, rows: int) -> int:
         """Rows every lane of a drafted round feeds: the widest window's, bucketed where
@@ -156,6 +157,8 @@ class RoundRunner:
             if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[start : start + len(chunk)])
                 lane.pending_tokens += chunk
+                if self.prompt_lookup:  # indexed as it is read: a long prompt's index costs no round a stall
+                    self._ngrams(lane, read=lane.prefilled + len(chunk))
         mx.eval(out.logits, *([out.taps] if drafting else []), *self.target.state_arrays())
         # A lane still reading its prompt folds as it goes (its taps would pile up); one whose
         # prompt is read folds at its first round, so its first token does not wait for it.
@@ -340,7 +343,7 @@ class RoundRunner:
     def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> list[Draft]:
         """Each drafting lane's proposal: looked up where that is worth more (see
         `_looked_up`), the rest from one batched drafter forward, their contexts first
-        brought up to date. A drafter forward that ran for every lane times the drafter."""
+        brought up to date."""
         g = self.proposals
         looked = self._looked_up(lanes, drafting)
         asked = [lane for lane in drafting if id(lane) not in looked]
@@ -352,8 +355,7 @@ class RoundRunner:
             proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
                                             drafter_pick(asked, g), chain_logits=False)
             mx.eval(proposal.arrays())
-            if len(asked) == len(drafting):
-                self._draft_seconds = self.clock() - began
+            self._draft_seconds = self.clock() - began
             problems = self.drafter.validate(proposal)
             confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in asked]
             for lane, tokens, raw, problem in zip(asked, proposal.tokens.tolist(), confidences, problems):
@@ -367,40 +369,47 @@ class RoundRunner:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
         drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
         the sum of its chain chances and T the verify round's time, plus the drafter's
-        for the drafter. The drafter's E is its recent mean yield; until it has one, a
-        lookup is taken where it expects to keep a draft (E >= 1): it costs nothing to
-        propose, and the drafter gets the lanes without a match."""
+        forward for the drafter, which only a round where every lane looks up saves.
+        The drafter's E is its recent mean yield; until it has one, a lookup is taken
+        where it expects to keep a draft (E >= 1): it costs nothing to propose, and the
+        drafter gets the lanes without a match."""
         if not self.prompt_lookup:
             return {}
-        drafter_yield = None
-        if len(self._drafter_yield) >= MIN_DRAFTER_WINDOWS:
-            drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
-            try:
-                verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
-                drafter_share = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
-            except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
-                drafter_share = 1.0
-        looked = {}
+        candidates = {}
         for lane in drafting:
             tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
             tokens = tokens[: max(lane.remaining - 1, 0)]
-            if not tokens:
-                continue
-            chances = chain_chances(self.lookup_chances.confidences(n, len(tokens)))
-            expected = sum(chances)
-            if expected >= 1 if drafter_yield is None else 1 + expected >= (1 + drafter_yield) * drafter_share:
-                looked[id(lane)] = Draft(tokens, chances, ngram=n)
-        return looked
+            if tokens:
+                chances = chain_chances(self.lookup_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))
+                candidates[id(lane)] = Draft(tokens, chances, ngram=n)
+        if len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
+            return {key: d for key, d in candidates.items() if sum(d.chances) >= 1}
+        drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
+
+        def better(draft: Draft, drafter_share: float) -> bool:
+            return 1 + sum(draft.chances) >= (1 + drafter_yield) * drafter_share
+
+        try:
+            verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
+            saving = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
+        except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
+            saving = 1.0
+        if len(candidates) == len(drafting) and all(better(d, saving) for d in candidates.values()):
+            return candidates  # no lane drafts: the drafter's forward is saved
+        return {key: d for key, d in candidates.items() if better(d, 1.0)}  # it runs anyway
 
     @staticmethod
-    def _ngrams(lane: Lane) -> NgramIndex:
-        """The lane's n-gram index, extended with the tokens committed since (anchor last)."""
+    def _ngrams(lane: Lane, read: int | None = None) -> NgramIndex:
+        """The lane's n-gram index, extended with its tokens committed since (anchor last),
+        or with its first `read` prompt tokens while the prompt is being read."""
         if lane.ngrams is None:
             lane.ngrams = NgramIndex()
         index, prompt = lane.ngrams, lane.request.prompt
         known = len(index.tokens)
-        index.extend(prompt[known:] if known < len(prompt) else ())
-        index.extend(lane.generated[max(known - len(prompt), 0):])
+        if known < len(prompt):
+            index.extend(prompt[known : len(prompt) if read is None else read])
+        if read is None:
+            index.extend(lane.generated[max(known - len(prompt), 0) :])
         return index
 
     def _price(self, lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], draft_seconds: float) -> list[int]:
@@ -490,7 +499,7 @@ class RoundRunner:
                 lane.stats.accepted_per_round.append(outcome.accepted)
                 if draft.ngram:
                     lane.stats.looked_up_rounds += 1
-                    self.lookup_chances.observe(draft.ngram, depth, outcome.accepted)
+                    self.lookup_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)
                 else:
                     self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
                     self._drafter_yield.append(outcome.accepted)

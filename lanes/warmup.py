@@ -32,7 +32,7 @@ def rehearsal(runner: RoundRunner):
     if runner.drafter is not None:
         learned = runner.calibrator, runner.lookup_chances, runner._drafter_yield, runner._draft_seconds
         runner.calibrator = ConfidenceCalibrator(runner.proposals)
-        runner.lookup_chances = LookupChances(MAX_NGRAM, runner.proposals)
+        runner.lookup_chances = {greedy: LookupChances(MAX_NGRAM, runner.proposals) for greedy in (True, False)}
         runner._drafter_yield = deque(maxlen=runner._drafter_yield.maxlen)
         runner.draft_width = runner.proposals + 1
     try:

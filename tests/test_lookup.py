@@ -35,12 +35,16 @@ from tests.priced import FlatCosts, price_without_timing
 def reference_proposal(tokens: list[int], width: int, min_ngram: int = 1, max_ngram: int = MAX_NGRAM):
     """The definition, by brute force: for n from max_ngram down to min_ngram, the latest
     start i of the last n tokens that is not the suffix itself (i + n < len(tokens), so a
-    token followed it), and the up to `width` tokens after it."""
+    token followed it), and the `width` tokens after it, in the sequence extended by the
+    copy itself where it runs past the end."""
     for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
         suffix = tokens[len(tokens) - n :]
         for i in range(len(tokens) - n - 1, -1, -1):
             if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + width], n
+                extended = list(tokens)
+                for k in range(width):
+                    extended.append(extended[i + n + k])
+                return extended[len(tokens) :], n
     return [], 0
 
 
@@ -64,22 +68,26 @@ def test_the_latest_earlier_occurrence_wins():
 def test_the_current_suffix_never_matches_itself():
     assert index_of([4, 5, 6]).propose(3) == ([], 0)
     # In 7 7 7 the 3-gram occurs only as the suffix: the 2-gram (7, 7) at 0 matches.
-    assert index_of([7, 7, 7]).propose(3) == ([7], 2)
-    assert index_of([7, 7]).propose(3) == ([7], 1)
+    assert index_of([7, 7, 7]).propose(3) == ([7, 7, 7], 2)
+    assert index_of([7, 7]).propose(3) == ([7, 7, 7], 1)
     assert NgramIndex().propose(3) == ([], 0)
 
 
 def test_min_ngram_ignores_shorter_matches():
     index = index_of([3, 9, 4, 3])  # only 3 occurred before
-    assert index.propose(4, min_ngram=1) == ([9, 4, 3], 1)
+    assert index.propose(4, min_ngram=1) == ([9, 4, 3, 9], 1)
     assert index.propose(4, min_ngram=2) == ([], 0)
     index = index_of([5, 6, 1, 9, 6, 2, 5, 6])  # (5, 6) occurred; 6 alone more lately
     assert index.propose(2, min_ngram=2) == ([1, 9], 2)
     assert index.propose(2, min_ngram=3) == ([], 0)
 
 
-def test_a_proposal_stops_at_the_end_of_the_tokens():
-    assert index_of([1, 2, 3, 4, 1, 2]).propose(5) == ([3, 4, 1, 2], 2)
+def test_a_copy_that_reaches_the_end_goes_on_through_itself():
+    # (1, 2) last began at 0: 3 4 1 2 follow it, then what followed the copied 1 2: 3.
+    assert index_of([1, 2, 3, 4, 1, 2]).propose(5) == ([3, 4, 1, 2, 3], 2)
+    # A loop of period p proposes the whole width, not the p tokens one period back.
+    assert index_of([5] + [32] * 6).propose(9) == ([32] * 9, 3)
+    assert index_of([5, 1, 2, 1, 2, 1, 2]).propose(5) == ([1, 2, 1, 2, 1], 3)
 
 
 def test_the_index_agrees_with_a_brute_force_search_however_it_is_extended():
@@ -166,6 +174,13 @@ def test_prompt_lookup_outside_its_range_is_refused_by_flag_name(lookup, dense_p
         assert RoundRunner(loaded.target, drafter, draft_width=10, prompt_lookup=allowed).prompt_lookup == allowed
 
 
+def test_prompt_lookup_is_checked_without_a_drafter_and_off_there(dense_pair):
+    loaded, _ = dense_pair
+    with pytest.raises(ValueError, match="--prompt-lookup must be within 0..3"):
+        RoundRunner(loaded.target, None, prompt_lookup=7)
+    assert RoundRunner(loaded.target, None, prompt_lookup=2).prompt_lookup == 0  # nothing to draft beside
+
+
 # A lane whose last three tokens (5, 6, 7) occurred at its prompt's start, followed by nine
 # distinct tokens: a full 9-token proposal with a 3-gram match. And one with no match.
 MATCHED = ([1, 5, 6, 7, *range(30, 39), 40, 41, 5, 6], [7])
@@ -192,7 +207,7 @@ def runner_with(dense_pair, drafter_yield: float, prompt_lookup=1, windows=MIN_D
 
 def learn(runner: RoundRunner, n: int, accepted: int, times: int) -> None:
     for _ in range(times):
-        runner.lookup_chances.observe(n, runner.proposals, accepted)
+        runner.lookup_chances[True].observe(n, runner.proposals, accepted)
 
 
 def looked_up(runner: RoundRunner, lanes: list[Lane]) -> list[int]:
@@ -234,7 +249,7 @@ def test_the_prior_is_tried_against_a_modest_drafter_and_the_drafters_time_count
     timed = runner_with(dense_pair, 3, costs=FlatCosts())
     timed._draft_seconds = 1.0
     assert looked_up(timed, lanes) == [0]
-    timed._draft_seconds = None  # never timed alone: its forward counts as free
+    timed._draft_seconds = None  # not timed yet: its forward counts as free
     assert looked_up(timed, lanes) == []
 
 
@@ -252,6 +267,31 @@ def test_before_the_drafter_has_a_yield_a_lookup_is_taken_where_it_expects_to_ke
     one_left = make_lane(loaded, MATCHED, max_tokens=len(MATCHED[1]) + 2)
     assert looked_up(runner_with(dense_pair, 0, windows=0), [one_left]) == []
     assert looked_up(runner_with(dense_pair, 0), [one_left]) == [0]
+
+
+def test_greedy_and_sampled_lanes_learn_their_lookup_chances_apart(dense_pair):
+    loaded, _ = dense_pair
+    greedy = make_lane(loaded, MATCHED)
+    sampled = make_lane(loaded, MATCHED)
+    sampled.request.sampling = SamplingParams(temperature=0.7, seed=1)
+    runner = runner_with(dense_pair, 2)
+    # Sampled lanes' copies failed at once 20 times; greedy lanes still stand at the prior.
+    for _ in range(20):
+        runner.lookup_chances[False].observe(3, runner.proposals, 0)
+    assert looked_up(runner, [greedy, sampled]) == [0]
+
+
+def test_in_a_round_where_some_lane_drafts_no_lookup_counts_the_drafters_forward_saved(dense_pair):
+    loaded, _ = dense_pair
+    matched, unmatched = make_lane(loaded, MATCHED), make_lane(loaded, UNMATCHED)
+    # The prior's window (3.77 tokens) loses to a drafter keeping 3 (4 tokens) unless the
+    # drafter's forward is saved, which halves its tokens per second (FlatCosts: a verify
+    # round takes 1 s, as does the drafter here).
+    runner = runner_with(dense_pair, 3, costs=FlatCosts())
+    runner._draft_seconds = 1.0
+    assert looked_up(runner, [matched]) == [0]
+    # With a lane that has no match the drafter runs anyway: nothing is saved.
+    assert looked_up(runner, [matched, unmatched]) == []
 
 
 def test_lookup_respects_its_settings_and_follows_the_lane(dense_pair):
@@ -272,7 +312,7 @@ def test_lookup_respects_its_settings_and_follows_the_lane(dense_pair):
     lane = make_lane(loaded, UNMATCHED)
     assert looked_up(runner, [lane]) == []
     lane.generated += [21]
-    assert runner._looked_up([lane], [lane])[id(lane)].tokens == [22, 23, 21]
+    assert runner._looked_up([lane], [lane])[id(lane)].tokens == [22, 23, 21] * 3  # copied on through itself
     assert lane.ngrams.tokens == UNMATCHED[0] + [23, 21]
 
 
@@ -393,7 +433,7 @@ def test_drafted_with_lookup_equals_plain(model, sampled, width, lookup, models,
     assert looked >= lookup_floor(model, plain, width or PRICED_WIDTH, lookup)
     # Looked-up rounds are drafted rounds, and the runner learned from them.
     assert all(c.draft.looked_up_rounds <= c.draft.drafted_rounds for c in loops)
-    chances, g = engine.rounds.lookup_chances, engine.rounds.proposals
+    chances, g = engine.rounds.lookup_chances[not sampled], engine.rounds.proposals
     assert any(chances.confidences(n, g) != [0.75] * g for n in range(lookup, MAX_NGRAM + 1))
 
 
@@ -449,7 +489,8 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     assert seen["windows"] >= MIN_DRAFTER_WINDOWS and seen["timed"] and seen["looked_up"] > 0
     # What it learned went to throwaway instances.
     for n in range(1, MAX_NGRAM + 1):
-        assert runner.lookup_chances.confidences(n, runner.proposals) == [0.75] * runner.proposals
+        for chances in runner.lookup_chances.values():
+            assert chances.confidences(n, runner.proposals) == [0.75] * runner.proposals
     assert isinstance(runner._drafter_yield, deque) and len(runner._drafter_yield) == 0
     assert runner._drafter_yield.maxlen == DRAFTER_YIELD_WINDOWS
     assert runner._draft_seconds is None
