@@ -177,6 +177,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("families/lfm2/target.py", "                rows = boundary - lane.length\n", "                rows = k\n"),),
         ("tests/test_prefix_cache.py",),
     ),
+    Mutant(
+        "lookup-copies-one-period",
+        "prompt lookup's copy stops at the end of the tokens: in a loop of period p it proposes p tokens, not the width",
+        (Edit("lanes/lookup.py", "                while len(copied) < width:", "                while False:"),),
+        ("tests/test_lookup.py",),
+    ),
+    Mutant(
+        "lookup-chances-shared-by-sampling",
+        "greedy and sampled lanes price lookup windows from one set of chances (sampled lanes' failures lower greedy ones')",
+        (Edit("lanes/round.py",
+              "                    self.lookup_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)",
+              "                    self.lookup_chances[True].observe(draft.ngram, depth, outcome.accepted)"),
+         Edit("lanes/round.py",
+              "                chances = chain_chances(self.lookup_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))",
+              "                chances = chain_chances(self.lookup_chances[True].confidences(n, len(tokens)))")),
+        ("tests/test_lookup.py",),
+    ),
 )
 
 
