@@ -5,7 +5,7 @@ Reports requests per second, errors (must be 0; cancels are not errors), whether
 request got exactly one final event, what the engine still holds afterwards (must be
 nothing) and resident memory before and after (growth beyond noise is a leak).
 
-    python -m bench.soak [--model DIR --draft-model DIR] [--requests 3000] [--concurrency 24] [--out FILE]
+    python -m bench.soak [--model DIR --draft-model DIR] [--requests 3000] [--concurrency 24] [--prompt-lookup N] [--out FILE]
 
 Without --model it soaks the embedded default with its drafter. The JSON report (--out)
 carries the command, commit and machine.
@@ -24,7 +24,7 @@ import time
 import mlx.core as mx
 
 from bench.provenance import provenance
-from daemon.cli import exit_process
+from daemon.cli import DEFAULT_PROMPT_LOOKUP, exit_process
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--max-streams", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help=f"prompt lookup beside the drafter, as `serve` runs it (default {DEFAULT_PROMPT_LOOKUP}; 0 off)")
     p.add_argument("--out", help="write the report as JSON here too")
     args = p.parse_args(argv)
     record = provenance(sys.argv[1:] if argv is None else argv, __spec__.name)
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     drafter = None
     if args.draft_model:
         drafter = load_drafter(args.draft_model, loaded.target.model, loaded.target.config, dtype=dtype, max_lanes=args.max_streams)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=args.max_streams))
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=args.max_streams,
+                                                                                            prompt_lookup=args.prompt_lookup))
     client = EngineClient(engine)
     client.start(warm_up=drafter is not None)
     client.wait_ready()
