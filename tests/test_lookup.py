@@ -23,7 +23,13 @@ from families.lfm2.drafter import load_drafter
 from lanes.detokenize import IncrementalDetokenizer
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Lane, Request
-from lanes.lookup import MAX_NGRAM, PRIOR_FAILED, PRIOR_SURVIVED, LookupChances, NgramIndex
+from lanes.lookup import (
+    MAX_NGRAM,
+    PRIOR_FAILED,
+    PRIOR_SURVIVED,
+    LookupChances,
+    NgramIndex,
+)
 from lanes.pricing import chain_chances
 from lanes.round import DRAFTER_YIELD_WINDOWS, MIN_DRAFTER_WINDOWS, RoundRunner
 from lanes.sampling import SamplingParams
