@@ -84,7 +84,7 @@ class Draft:
 class RoundReport:
     """What one round did, for metrics and logs."""
 
-    kind: str  # "plain", "drafted", "lookup" (its only drafts copied, the guard keeping the drafter off) or "probe"
+    kind: str  # "plain", "drafted" or "probe"
     lanes: int
     rows: int
     emitted: int
@@ -181,16 +181,11 @@ class RoundRunner:
     def run(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
         context = max(lane.context for lane in lanes)
         eligible = [lane for lane in lanes if lane.drafter_slot is not None and lane.remaining > 1]
-        decision, lookup_only = None, False
+        decision = None
         if eligible and self.draft_width is None:
             decision = self.guard.decide(len(lanes), context)
             if not decision.draft:
-                # The drafter does not pay in this band; copies, which cost no forward, still
-                # may. The tokens of the round in flight are not on the host yet, so whether a
-                # lane has a promising copy is judged one token behind, and priced once landed.
-                lookup_only = self.prompt_lookup > 0 and any(sum(d.chances) >= 1 for d in self._lookup_candidates(eligible).values())
-                if not lookup_only:
-                    eligible = []
+                eligible = []
         if not eligible:
             return self._plain(lanes, decision, context)
         # Drafting needs every lane's tokens on the host: land the round in flight first.
@@ -198,7 +193,7 @@ class RoundRunner:
         lanes = [lane for lane in lanes if not lane.finished]
         drafting = [lane for lane in eligible if not lane.finished]
         if drafting:
-            drafted, report = self._drafted_round(lanes, drafting, self.clock(), lookup_only)
+            drafted, report = self._drafted_round(lanes, drafting, self.clock())
             self._account(report, decision, context)
             events += drafted
         return events
@@ -332,30 +327,24 @@ class RoundRunner:
         # Launched, not awaited: a host sync here would stall the plain-round pipeline.
         mx.async_eval(self.drafter.state_arrays())
 
-    def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float,
-                       lookup_only: bool = False) -> tuple[list, RoundReport]:
-        """Draft, price, verify, commit: the phases of a drafted round, in order.
-        `lookup_only`: lanes without a looked-up copy feed their anchor only (the guard
-        keeps the drafter off), and the round counts as the guard's plain choice."""
-        drafts = self._draft(lanes, drafting, lookup_only)
+    def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
+        """Draft, price, verify, commit: the phases of a drafted round, in order."""
+        drafts = self._draft(lanes, drafting)
         draft_seconds = self.clock() - started
         depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
         out, outcomes = self._verify(lanes, windows)
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
-        report = RoundReport("lookup" if lookup_only else "drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
+        report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
                              sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at)
         return events, report
 
-    def _draft(self, lanes: list[Lane], drafting: list[Lane], lookup_only: bool = False) -> list[Draft]:
+    def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> list[Draft]:
         """Each drafting lane's proposal: looked up where that is worth more (see
-        `_looked_up`; every copy, for pricing to weigh, in a lookup-only round), the rest
-        from one batched drafter forward, their contexts first brought up to date."""
+        `_looked_up`), the rest from one batched drafter forward, their contexts first
+        brought up to date."""
         g = self.proposals
-        if lookup_only:
-            looked = self._lookup_candidates(drafting)
-            return [looked.get(id(lane)) or Draft([], []) for lane in drafting]
         looked = self._looked_up(lanes, drafting)
         asked = [lane for lane in drafting if id(lane) not in looked]
         drafted: dict[int, Draft] = {}
@@ -376,18 +365,6 @@ class RoundRunner:
                 drafted[id(lane)] = Draft(tokens, chain_chances(self.calibrator.calibrate(raw)), problem, raw)
         return [looked.get(id(lane)) or drafted[id(lane)] for lane in drafting]
 
-    def _lookup_candidates(self, drafting: list[Lane]) -> dict[int, Draft]:
-        """Each drafting lane's looked-up copy (by lane id), where its tokens have a match
-        of at least `prompt_lookup` tokens and it may still emit a draft, with its chances."""
-        candidates = {}
-        for lane in drafting:
-            tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
-            tokens = tokens[: max(lane.remaining - 1, 0)]
-            if tokens:
-                chances = chain_chances(self.lookup_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))
-                candidates[id(lane)] = Draft(tokens, chances, ngram=n)
-        return candidates
-
     def _looked_up(self, lanes: list[Lane], drafting: list[Lane]) -> dict[int, Draft]:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
         drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
@@ -398,7 +375,13 @@ class RoundRunner:
         drafter gets the lanes without a match."""
         if not self.prompt_lookup:
             return {}
-        candidates = self._lookup_candidates(drafting)
+        candidates = {}
+        for lane in drafting:
+            tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
+            tokens = tokens[: max(lane.remaining - 1, 0)]
+            if tokens:
+                chances = chain_chances(self.lookup_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))
+                candidates[id(lane)] = Draft(tokens, chances, ngram=n)
         if len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
             return {key: d for key, d in candidates.items() if sum(d.chances) >= 1}
         drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)

@@ -22,7 +22,6 @@ from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.detokenize import IncrementalDetokenizer
 from lanes.engine import Engine, EngineConfig
-from lanes.guard import DRAFTING_NOT_FASTER, DraftGuard, GuardDecision
 from lanes.lane import Lane, Request
 from lanes.lookup import (
     MAX_NGRAM,
@@ -32,7 +31,6 @@ from lanes.lookup import (
     NgramIndex,
 )
 from lanes.pricing import chain_chances
-from lanes.bands import Band
 from lanes.round import DRAFTER_YIELD_WINDOWS, MIN_DRAFTER_WINDOWS, RoundRunner
 from lanes.sampling import SamplingParams
 from tests.priced import FlatCosts, price_without_timing
@@ -451,8 +449,8 @@ def mixed_rounds(runner: RoundRunner) -> list[bool]:
     mixed = []
     draft = runner._draft
 
-    def spy(lanes, drafting, *lookup_only):
-        drafts = draft(lanes, drafting, *lookup_only)
+    def spy(lanes, drafting):
+        drafts = draft(lanes, drafting)
         mixed.append(0 < sum(bool(d.ngram) for d in drafts) < len(drafts))
         return drafts
 
@@ -473,36 +471,6 @@ def test_four_lanes_with_lookup_equal_their_solo_runs(model, sampled, width, loo
     assert warm.token_ids == warm_plain
     assert [c.token_ids for c in loops] == plain
     assert sum(c.draft.looked_up_rounds for c in loops) >= lookup_floor(model, plain, width or PRICED_WIDTH, lookup)
-
-
-class DrafterNeverPays(DraftGuard):
-    """A guard whose every band measured drafting slower: it keeps the drafter off."""
-
-    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
-        return GuardDecision(False, False, Band.of(lanes, context_tokens), 1.0, 2.0, DRAFTING_NOT_FASTER)
-
-
-@pytest.mark.parametrize("model", ["dense", "moe"])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_where_the_guard_keeps_the_drafter_off_copies_still_run_and_equal_plain(model, sampled, lanes, models, solo):
-    # Every round is the guard's plain choice; rounds where a lane's copy looks promising
-    # verify copies only (kind "lookup"), priced with flat costs so that every copy with
-    # a chance goes in. The drafter never proposes.
-    _, plain = solo(model, sampled)
-    target_dir, drafter_dir = models[model]
-    loaded = open_target(target_dir, max_lanes=lanes)
-    drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
-    runner = RoundRunner(loaded.target, drafter, guard=DrafterNeverPays(), costs=FlatCosts(), prompt_lookup=1)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes), rounds=runner)
-    replies = engine.generate([request(s, sampled) for s in LOOPING[model]])
-    assert [c.token_ids for c in replies] == plain
-    assert len(runner._drafter_yield) == 0 and runner._draft_seconds is None  # the drafter never ran
-    kinds = runner.counters.snapshot()["rounds_by_kind"]
-    # Each looping reply repeats long enough for copies to be promising (E >= 1 under the
-    # prior) many times over: at least one lookup round per reply.
-    assert kinds.get("lookup", 0) >= len(LOOPING[model]) and kinds.get("plain", 0) > 0
-    assert sum(c.draft.looked_up_rounds for c in replies) >= len(LOOPING[model])
 
 
 # ---- the warm-up rehearsal -----------------------------------------------------------------------
