@@ -31,7 +31,7 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, RequestError
 from lanes.lane import Request
-from lanes.lookup import MAX_NGRAM
+from lanes.lookup import check_min_ngram
 from lanes.sampling import SamplingParams
 
 from .serve import add_serve
@@ -134,9 +134,10 @@ def resolve_models(args) -> None:
 
 def open_drafter(args, loaded):
     """The drafter the flags ask for, or None."""
-    if not 0 <= args.prompt_lookup <= MAX_NGRAM:
-        raise UsageError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from; 0 turns it off), "
-                         f"got {args.prompt_lookup}")
+    try:
+        check_min_ngram(args.prompt_lookup)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.draft_model is None:
         if args.draft_width is not None or args.drafter_bits is not None:
             raise UsageError("--draft-width and --drafter-bits need --draft-model")

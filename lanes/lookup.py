@@ -19,6 +19,12 @@ from collections.abc import Sequence
 MAX_NGRAM = 3
 
 
+def check_min_ngram(n: int) -> None:
+    """Refuse a shortest match outside 0..MAX_NGRAM (0: no lookup), naming the flag."""
+    if not 0 <= n <= MAX_NGRAM:
+        raise ValueError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from; 0 turns it off), got {n}")
+
+
 class NgramIndex:
     """Where each n-gram (n = 1..max_ngram) of one lane's tokens last occurred, for
     copying what followed it. Append-only, like the lane's committed tokens."""

@@ -20,7 +20,7 @@ from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
-from .lookup import MAX_NGRAM, LookupChances, NgramIndex
+from .lookup import MAX_NGRAM, LookupChances, NgramIndex, check_min_ngram
 from .penalty import SeenTokens, mark, penalize
 from .pricing import CostTable, NoCostData, chain_chances, plan_depths
 from .sampling import choose, row_keys
@@ -120,8 +120,7 @@ class RoundRunner:
         self.steady_shapes = target.plans_per_shape() if steady_shapes is None else steady_shapes
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
-        if not 0 <= prompt_lookup <= MAX_NGRAM:
-            raise ValueError(f"--prompt-lookup must be within 0..{MAX_NGRAM} (the shortest match to copy from), got {prompt_lookup}")
+        check_min_ngram(prompt_lookup)
         self.prompt_lookup = prompt_lookup if drafter is not None else 0
         if drafter is not None:
             if draft_width is not None and not 2 <= draft_width <= min(drafter.config.max_width + 1, VERIFY_WIDTH_CEILING):
@@ -130,11 +129,16 @@ class RoundRunner:
                     f"(anchor + up to {drafter.config.max_width} drafts), got {draft_width}"
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
-            self.calibrator = ConfidenceCalibrator(self.proposals)
-            # Kept apart for greedy (True) and sampled lanes: a sampled lane keeps fewer copies.
-            self.lookup_chances = {greedy: LookupChances(MAX_NGRAM, self.proposals) for greedy in (True, False)}
-            self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
-            self._draft_seconds: float | None = None  # the drafter's last forward
+            self.start_learning()
+
+    def start_learning(self) -> None:
+        """Forget what drafted rounds taught: confidence calibration, lookup chances, the
+        drafter's yield and time (the warm-up's rehearsal learns into a fresh set)."""
+        self.calibrator = ConfidenceCalibrator(self.proposals)
+        # Kept apart for greedy (True) and sampled lanes: a sampled lane keeps fewer copies.
+        self.lookup_chances = {greedy: LookupChances(MAX_NGRAM, self.proposals) for greedy in (True, False)}
+        self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
+        self._draft_seconds: float | None = None  # the drafter's last forward
 
     def verify_width(self, rows: int) -> int:
         """Rows every lane of a drafted round feeds: the widest window's, bucketed where

@@ -10,15 +10,12 @@ to throwaway instances.
 
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager
 
 import mlx.core as mx
 
-from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard
-from .lookup import MAX_NGRAM, LookupChances
 from .pricing import CostTable
 from .round import KEY_BUCKET, RoundRunner
 
@@ -31,9 +28,7 @@ def rehearsal(runner: RoundRunner):
     runner.guard, runner.costs, runner.counters = DraftGuard(), CostTable(), RoundCounters()
     if runner.drafter is not None:
         learned = runner.calibrator, runner.lookup_chances, runner._drafter_yield, runner._draft_seconds
-        runner.calibrator = ConfidenceCalibrator(runner.proposals)
-        runner.lookup_chances = {greedy: LookupChances(MAX_NGRAM, runner.proposals) for greedy in (True, False)}
-        runner._drafter_yield = deque(maxlen=runner._drafter_yield.maxlen)
+        runner.start_learning()
         runner.draft_width = runner.proposals + 1
     try:
         yield
