@@ -14,12 +14,10 @@ import threading
 import aiohttp
 
 from daemon.app import Server, ServerConfig, Serving, make_serving
-from families.lfm2 import open_target
 from families.lfm2.config import generation_defaults
-from families.lfm2.drafter import load_drafter
 from lanes.client import EngineClient
-from lanes.engine import Engine, EngineConfig
-from tests.priced import price_without_timing
+from lanes.engine import Engine
+from tests.priced import tiny_engine
 
 SERVE = [sys.executable, "-c", "from daemon.cli import entry; entry()", "serve", "--port", "0"]
 
@@ -50,20 +48,13 @@ def build_serving(target_dir, drafter_dir=None, streams: int = 16, queue: int = 
     sampling defaults as `serve` reads them. With a drafter, every round drafts: each lane
     verifies `draft_width - 1` drafts, or without a width every draft is priced in
     (tests.priced), so drafted rounds happen on any machine."""
-    loaded = open_target(target_dir, max_lanes=streams)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=streams)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
-                    EngineConfig(max_streams=streams, max_waiting=queue, draft_width=draft_width))
-    if drafter is not None and draft_width is None:
-        price_without_timing(engine)
+    engine = tiny_engine(target_dir, drafter_dir, streams, max_waiting=queue, draft_width=draft_width)
     client = EngineClient(engine, stall_seconds=stall_seconds)
     client.start()
     assert client.wait_ready(30)
-    limit = max_model_len or loaded.target.context_limit
+    limit = max_model_len or engine.target.context_limit
     defaults = generation_defaults(target_dir)
-    return make_serving(client, loaded.tokenizer, loaded.target.vocab_size, name, limit, defaults), engine
+    return make_serving(client, engine.tokenizer, engine.target.vocab_size, name, limit, defaults), engine
 
 
 class LiveServer:

@@ -7,12 +7,17 @@ the prefix scheduler, verification) while making its inputs fixed: the guard alw
 drafts, and every round costs the same whatever its rows, so every draft is priced in.
 
 A test that finds drafted output equal to plain output proves nothing if no draft was
-verified; `assert_drafted` makes it fail when drafting silently stops.
+verified; `assert_drafted` makes it fail when drafting silently stops. `tiny_engine`
+builds the engines the tests drive, priced this way unless asked otherwise.
 """
 
 from __future__ import annotations
 
+from bench.scripted import ScriptedDrafter, published_profile
+from families.lfm2 import open_target
+from families.lfm2.drafter import load_drafter
 from lanes.bands import Band
+from lanes.engine import Engine, EngineConfig
 from lanes.guard import GuardDecision
 from lanes.pricing import CostTable
 
@@ -43,6 +48,28 @@ class FlatCosts(CostTable):
 def price_without_timing(engine) -> None:
     engine.rounds.guard = AlwaysDraft()
     engine.rounds.costs = FlatCosts()
+
+
+def tiny_engine(path, drafter_dir=None, lanes: int = 16, sequences=None, bits: int | None = None, timing: str | None = "flat",
+                **config) -> Engine:
+    """An Engine over the checkpoint at `path` (EngineConfig fields in `config`), drafting
+    with `drafter_dir`'s drafter when given, its drafts accepted at the published profile
+    over `sequences` (the plain runs' tokens) when given. Without a fixed draft_width its
+    rounds are priced: `timing` "flat" without timing (see above), "warm" from the
+    warm-up's profile and live clocks as a server prices them, None left to the caller."""
+    loaded = open_target(path, max_lanes=lanes)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, bits=bits, max_lanes=lanes)
+        if sequences is not None:
+            drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
+    if drafter is not None and config.get("draft_width") is None:
+        if timing == "flat":
+            price_without_timing(engine)
+        elif timing == "warm":
+            engine.warm_up()
+    return engine
 
 
 def assert_drafted(completions, rounds: int, accepted: int) -> None:

@@ -19,8 +19,7 @@ from lanes.client import EngineClient, EngineUnavailable
 from lanes.engine import Engine, EngineConfig, RequestError
 from lanes.lane import FinishReason, Request
 from lanes.sampling import SamplingParams
-from bench.scripted import ScriptedDrafter, published_profile
-from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_timing
+from tests.priced import assert_drafted, fewest_drafted_rounds, tiny_engine
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(300 + i).integers(15, 500, 4 + 3 * i)] for i in range(16)]
 LIMIT = 96  # a short context, so lanes reach it
@@ -37,16 +36,7 @@ def short_drafter_dir(short_dir, tmp_path_factory):
 
 
 def engine(path, drafter_dir=None, sequences=None, lanes=16, **config) -> Engine:
-    loaded = open_target(path, max_lanes=lanes)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
-        if sequences is not None:
-            drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
-    built = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
-    if drafter is not None and config.get("draft_width") is None:
-        price_without_timing(built)
-    return built
+    return tiny_engine(path, drafter_dir, lanes, sequences, **config)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from bench.scripted import ScriptedDrafter, published_profile
 from daemon.cli import main
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
@@ -27,8 +28,11 @@ from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.sampling import SamplingParams, filtered_logprobs
-from bench.scripted import ScriptedDrafter, published_profile
-from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_timing
+from tests.priced import (
+    assert_drafted,
+    fewest_drafted_rounds,
+    tiny_engine,
+)
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(i).integers(15, 500, 4 + 5 * i)] for i in range(8)]
 MAX_TOKENS = 40
@@ -36,17 +40,8 @@ PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the 
 
 
 def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False):
-    loaded = open_target(path, max_lanes=lanes)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, bits=bits, max_lanes=lanes)
-        if sequences is not None:
-            drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
-    config = EngineConfig(max_streams=lanes, draft_width=width, steady_shapes=steady_shapes)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, config)
-    if drafter is not None and width is None:
-        price_without_timing(engine)  # priced windows, drafted every round on any machine
-    return engine
+    # Priced windows, drafted every round on any machine, where no width is fixed.
+    return tiny_engine(path, drafter_dir, lanes, sequences, bits, draft_width=width, steady_shapes=steady_shapes)
 
 
 def plain_runs(path, prompts, max_tokens=MAX_TOKENS):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from families.lfm2 import open_target
-from families.lfm2.drafter import load_drafter
 from lanes.client import EngineClient
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
@@ -18,8 +17,12 @@ from lanes.lane import FinishReason, Request
 from lanes.pricing import CostTable
 from lanes.round import RoundRunner
 from lanes.sampling import SamplingParams
-from bench.scripted import ScriptedDrafter, published_profile
-from tests.priced import assert_drafted, fewest_drafted_rounds, price_without_timing
+from tests.priced import (
+    assert_drafted,
+    fewest_drafted_rounds,
+    price_without_timing,
+    tiny_engine,
+)
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(100 + i).integers(15, 500, 3 + 2 * i)] for i in range(16)]
 LENGTHS = [12 + 3 * (i % 7) for i in range(16)]
@@ -27,18 +30,7 @@ PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the 
 
 
 def make_engine(path, drafter_dir=None, sequences=None, lanes=16, timed=True, **config):
-    loaded = open_target(path, max_lanes=lanes)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
-        drafter = ScriptedDrafter(drafter, sequences, published_profile(), loaded.target.vocab_size)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=lanes, **config))
-    if drafter is not None and config.get("draft_width") is None:
-        if timed:
-            engine.warm_up()
-        else:
-            price_without_timing(engine)
-    return engine
+    return tiny_engine(path, drafter_dir, lanes, sequences, timing="warm" if timed else "flat", **config)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.detokenize import IncrementalDetokenizer
-from lanes.engine import Engine, EngineConfig
+from lanes.engine import Engine
 from lanes.lane import Lane, Request
 from lanes.lookup import (
     MAX_NGRAM,
@@ -33,7 +33,7 @@ from lanes.lookup import (
 from lanes.pricing import chain_chances
 from lanes.round import DRAFTER_YIELD_WINDOWS, MIN_DRAFTER_WINDOWS, RoundRunner
 from lanes.sampling import SamplingParams
-from tests.priced import FlatCosts, price_without_timing
+from tests.priced import FlatCosts, tiny_engine
 
 # ---- NgramIndex --------------------------------------------------------------------------------
 
@@ -360,15 +360,9 @@ def models(dense_dir, drafter_dir, moe_dir, moe_drafter_dir):
 
 
 def engine_for(target_dir, drafter_dir=None, width=None, lanes=1, lookup=0, timed=False) -> Engine:
-    loaded = open_target(target_dir, max_lanes=lanes)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
-                    EngineConfig(max_streams=lanes, draft_width=width, prompt_lookup=lookup))
-    if drafter is not None and width is None and not timed:
-        price_without_timing(engine)  # priced windows, drafted every round on any machine
-    return engine
+    """Priced windows drafted every round on any machine, or `timed` as a server prices
+    them (the caller warms it up)."""
+    return tiny_engine(target_dir, drafter_dir, lanes, timing=None if timed else "flat", draft_width=width, prompt_lookup=lookup)
 
 
 @pytest.fixture(scope="module")

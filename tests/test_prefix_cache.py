@@ -8,13 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from bench.scripted import ScriptedDrafter, published_profile
 from families.lfm2 import open_target
-from families.lfm2.drafter import load_drafter
-from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from lanes.prefix_cache import PrefixCache, block_digest
 from lanes.sampling import SamplingParams
+from tests.priced import tiny_engine
 
 BLOCK = 16
 BUDGET = 1 << 26
@@ -29,15 +27,8 @@ def engine_for(path, drafter_dir=None, cache=BUDGET, lanes=4, width=4, scripted=
     """An engine with drafting at a fixed width (no clock decides whether it drafts). With
     `scripted` (plain runs' sequences), drafts are accepted at the published profile, so
     commits keep several rows and cross block boundaries mid-round."""
-    loaded = open_target(path, max_lanes=lanes)
-    drafter = None
-    if drafter_dir is not None:
-        drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=lanes)
-        if scripted is not None:
-            drafter = ScriptedDrafter(drafter, scripted, published_profile(), loaded.target.vocab_size)
-    config = EngineConfig(max_streams=lanes, draft_width=width if drafter else None, prefix_cache_bytes=cache,
-                          prefix_block_tokens=BLOCK)
-    return Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, config)
+    return tiny_engine(path, drafter_dir, lanes, scripted, draft_width=width if drafter_dir is not None else None,
+                       prefix_cache_bytes=cache, prefix_block_tokens=BLOCK)
 
 
 def chat(turns: int, seed: int = 0) -> list[list[int]]:
