@@ -47,6 +47,7 @@ class EngineConfig:
     draft_width: int | None = None  # fixed verify rows per drafted round; None prices them
     prompt_lookup: int = 0  # shortest n-gram match a lane may copy drafts from (lanes/lookup.py); 0: drafter only
     steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
+    price_live: bool | None = None  # price from each round's confidences (a second sync); None: where shapes are not steady
     prefix_cache_bytes: int = 0  # budget of the prefix cache (lanes/prefix_cache.py); 0: no cache
     prefix_block_tokens: int = BLOCK_TOKENS
 
@@ -66,7 +67,7 @@ class Engine:
         self.drafter = drafter
         self.config = config
         self.rounds = rounds or RoundRunner(target, drafter, draft_width=config.draft_width, steady_shapes=config.steady_shapes,
-                                            prompt_lookup=config.prompt_lookup)
+                                            prompt_lookup=config.prompt_lookup, price_live=config.price_live)
         self.prefix_cache = (PrefixCache(target, drafter, config.prefix_cache_bytes, config.prefix_block_tokens)
                              if config.prefix_cache_bytes else None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -7,9 +7,10 @@ worth more than the drafter's, judged like any window: expected tokens per secon
 
 `NgramIndex` finds the latest earlier occurrence of the longest suffix (n = max_ngram
 down to a minimum) in O(1) per round, extended with each lane's committed tokens as they
-come. `LookupChances` learns, per match length n and draft position k, how often a
-looked-up draft survives verification given that the ones before it did; its chain
-chances price lookup windows as calibrated confidences price the drafter's.
+come. The round's `CountedChances` (lanes/pricing.py) learn, per match length n and
+draft position k, how often a looked-up draft survives verification given that the ones
+before it did; their chain chances price lookup windows as calibrated confidences price
+the drafter's.
 """
 
 from __future__ import annotations
@@ -55,30 +56,3 @@ class NgramIndex:
                     copied.append(copied[start + len(copied) - len(self.tokens)])
                 return copied, n
         return [], 0
-
-
-# The prior of LookupChances, as survived and failed pseudo-counts: optimistic (0.75), so
-# lookup gets tried against a drafter of good yield and its chances are then learned.
-PRIOR_SURVIVED, PRIOR_FAILED = 3, 1
-
-
-class LookupChances:
-    """Survival of looked-up drafts by (match length n, position k), counted from verify
-    outcomes over a prior: c_nk = (survived + 3) / (verified + 4)."""
-
-    def __init__(self, max_ngram: int, positions: int):
-        self._survived = [[0] * positions for _ in range(max_ngram + 1)]
-        self._verified = [[0] * positions for _ in range(max_ngram + 1)]
-
-    def confidences(self, n: int, depth: int) -> list[float]:
-        """c_n1..c_n,depth: the chance draft k survives given that drafts 1..k-1 did."""
-        prior = PRIOR_SURVIVED + PRIOR_FAILED
-        return [(s + PRIOR_SURVIVED) / (v + prior) for s, v in zip(self._survived[n][:depth], self._verified[n][:depth])]
-
-    def observe(self, n: int, verified_depth: int, accepted: int) -> None:
-        """Drafts 1..accepted survived; draft accepted+1 failed if it was verified."""
-        if not 0 <= accepted <= verified_depth <= len(self._verified[n]):
-            raise ValueError(f"need 0 <= accepted ({accepted}) <= verified_depth ({verified_depth}) <= {len(self._verified[n])}")
-        for k in range(min(accepted + 1, verified_depth)):
-            self._verified[n][k] += 1
-            self._survived[n][k] += k < accepted

@@ -30,6 +30,36 @@ def chain_chances(confidences: Sequence[float]) -> list[float]:
     return chances
 
 
+# The prior of CountedChances, as survived and failed pseudo-counts: optimistic (0.75), so
+# a source gets tried (lookup against a drafter of good yield) and its chances learned.
+PRIOR_SURVIVED, PRIOR_FAILED = 3, 1
+
+
+class CountedChances:
+    """Survival of drafts by source and position, counted from verify outcomes over a
+    prior: c_sk = (survived + 3) / (verified + 4), the chance that draft k of source s
+    survives given that drafts 1..k-1 did. Source n >= 1 is a lookup after a match of n
+    tokens (lanes/lookup.py); source 0 is the drafter, priced by these counts where the
+    round verifies its proposal before reading its confidences."""
+
+    def __init__(self, sources: int, positions: int):
+        self._survived = [[0] * positions for _ in range(sources)]
+        self._verified = [[0] * positions for _ in range(sources)]
+
+    def confidences(self, source: int, depth: int) -> list[float]:
+        """c_s1..c_s,depth."""
+        prior = PRIOR_SURVIVED + PRIOR_FAILED
+        return [(s + PRIOR_SURVIVED) / (v + prior) for s, v in zip(self._survived[source][:depth], self._verified[source][:depth])]
+
+    def observe(self, source: int, verified_depth: int, accepted: int) -> None:
+        """Drafts 1..accepted survived; draft accepted+1 failed if it was verified."""
+        if not 0 <= accepted <= verified_depth <= len(self._verified[source]):
+            raise ValueError(f"need 0 <= accepted ({accepted}) <= verified_depth ({verified_depth}) <= {len(self._verified[source])}")
+        for k in range(min(accepted + 1, verified_depth)):
+            self._verified[source][k] += 1
+            self._survived[source][k] += k < accepted
+
+
 class NoCostData(LookupError):
     """The cost table has no measurement to estimate from (seed it with a warm-up profile)."""
 

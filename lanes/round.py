@@ -1,9 +1,17 @@
 """One shared round over every decoding lane, and the prefill that precedes it.
 
-A round: decide whether drafting pays (the guard), draft for the drafting lanes in one
-batched drafter forward, price their verify windows before the target runs, verify every
-lane's rows in one target forward, accept per lane, commit (KV trim, conv rebuild,
-drafter context append of anchor + accepted rows), emit, and record what the round cost.
+A round: decide whether drafting pays (the guard), give each drafting lane a proposal
+(looked up in its own tokens where that is worth more, the rest from one batched drafter
+forward), price their verify windows before the target runs, verify every lane's rows in
+one target forward, accept per lane, commit (KV trim, conv rebuild, drafter context
+append of anchor + accepted rows), emit, and record what the round cost.
+
+A drafted round reads the device once: the drafter's proposal flows into the verify
+forward on the device and is read with the target's choices. Pricing then cannot see
+this round's confidences, so it prices the drafter's windows by counted survival per
+position instead; where a verify's cost grows with its rows (`price_live`, by default
+where shapes are not padded to steady buckets) the round reads the proposal first and
+prices from its calibrated confidences, at the cost of a second sync.
 """
 
 from __future__ import annotations
@@ -20,11 +28,11 @@ from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
-from .lookup import MAX_NGRAM, LookupChances, NgramIndex, check_min_ngram
+from .lookup import MAX_NGRAM, NgramIndex, check_min_ngram
 from .penalty import SeenTokens, mark, penalize
-from .pricing import CostTable, NoCostData, chain_chances, plan_depths
+from .pricing import CostTable, CountedChances, NoCostData, chain_chances, plan_depths
 from .sampling import choose, row_keys
-from .verify import Window, verify
+from .verify import Window, row_choices
 
 log = logging.getLogger("laneserve.round")
 
@@ -71,13 +79,15 @@ class PlainDispatch:
 @dataclass
 class Draft:
     """One lane's proposal this round: from the drafter (`ngram` 0) or looked up in its
-    own tokens after a match of `ngram` tokens."""
+    own tokens after a match of `ngram` tokens. A drafter's proposal stays on the device
+    until the round reads it (`row`: the lane's row in it); `tokens` and `raw` come then."""
 
-    tokens: list[int]
-    chances: list[float]  # a_k: the chance that drafts 1..k all survive (calibrated)
+    tokens: list[int] | None
+    chances: list[float]  # a_k: the chance that drafts 1..k all survive (calibrated, or counted while unread)
     problem: object = None  # the drafter's DraftError for this lane, if its proposal is unusable
     raw: list[float] | None = None  # the drafter's raw confidences, for calibration
     ngram: int = 0
+    row: int | None = None  # the lane's row in the drafter's unread proposal
 
 
 @dataclass
@@ -102,11 +112,13 @@ class RoundRunner:
     drafted round (anchor + W-1 drafts, every round); None prices them per round and lets
     the guard decide whether to draft at all. `prompt_lookup` n > 0 lets a drafting lane
     take a proposal looked up in its own tokens (a match of at least n tokens) where it
-    is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter."""
+    is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter.
+    `price_live` prices each round's windows from the drafter's confidences, read before
+    the verify (a second host sync); None: where shapes are not kept steady."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
                  costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None,
-                 prompt_lookup: int = 0):
+                 prompt_lookup: int = 0, price_live: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
@@ -118,6 +130,9 @@ class RoundRunner:
         # Pad varying row counts to buckets and key spans of several lanes to KEY_BUCKET:
         # by default where the backend plans per shape (the family knows which).
         self.steady_shapes = target.plans_per_shape() if steady_shapes is None else steady_shapes
+        # Padded to steady buckets, a verify costs about the same at any depth: live
+        # confidences would buy little for their sync.
+        self.price_live = draft_width is None and (not self.steady_shapes if price_live is None else price_live)
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
         check_min_ngram(prompt_lookup)
@@ -132,11 +147,12 @@ class RoundRunner:
             self.start_learning()
 
     def start_learning(self) -> None:
-        """Forget what drafted rounds taught: confidence calibration, lookup chances, the
+        """Forget what drafted rounds taught: confidence calibration, counted chances, the
         drafter's yield and time (the warm-up's rehearsal learns into a fresh set)."""
         self.calibrator = ConfidenceCalibrator(self.proposals)
-        # Kept apart for greedy (True) and sampled lanes: a sampled lane keeps fewer copies.
-        self.lookup_chances = {greedy: LookupChances(MAX_NGRAM, self.proposals) for greedy in (True, False)}
+        # By source (0: the drafter, n: a lookup after an n-token match), kept apart for
+        # greedy (True) and sampled lanes: a sampled lane keeps fewer drafts.
+        self.counted_chances = {greedy: CountedChances(MAX_NGRAM + 1, self.proposals) for greedy in (True, False)}
         self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
         self._draft_seconds: float | None = None  # the drafter's last forward
 
@@ -333,41 +349,62 @@ class RoundRunner:
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         """Draft, price, verify, commit: the phases of a drafted round, in order."""
-        drafts = self._draft(lanes, drafting)
+        drafts, proposal = self._draft(lanes, drafting)
         draft_seconds = self.clock() - started
         depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
-        out, outcomes = self._verify(lanes, windows)
+        out, outcomes = self._verify(lanes, windows, drafting, drafts, proposal)
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
                              sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at)
         return events, report
 
-    def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> list[Draft]:
+    def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> tuple[list[Draft], object]:
         """Each drafting lane's proposal: looked up where that is worth more (see
         `_looked_up`), the rest from one batched drafter forward, their contexts first
-        brought up to date."""
+        brought up to date. The forward is launched, not awaited: its drafts come back
+        unread, priced by counted chances, with the proposal they are in (None where
+        nothing is unread). With `price_live` it is read here instead."""
         g = self.proposals
         looked = self._looked_up(lanes, drafting)
         asked = [lane for lane in drafting if id(lane) not in looked]
-        drafted: dict[int, Draft] = {}
-        if asked:
-            began = self.clock()
-            self.fold_pending(asked)
-            # Verification compares tokens only: the chain's float32 logits are never read.
-            proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
-                                            drafter_pick(asked, g), chain_logits=False)
-            mx.eval(proposal.arrays())
-            self._draft_seconds = self.clock() - began
-            problems = self.drafter.validate(proposal)
-            confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * g for _ in asked]
-            for lane, tokens, raw, problem in zip(asked, proposal.tokens.tolist(), confidences, problems):
-                if problem is not None:
-                    lane.stats.errors.append(str(problem))
-                    log.warning("lane %s: %s; its round runs plain", lane.id, problem)
-                drafted[id(lane)] = Draft(tokens, chain_chances(self.calibrator.calibrate(raw)), problem, raw)
-        return [looked.get(id(lane)) or drafted[id(lane)] for lane in drafting]
+        if not asked:
+            return [looked[id(lane)] for lane in drafting], None
+        began = self.clock()
+        self.fold_pending(asked)
+        # Verification compares tokens only: the chain's float32 logits are never read.
+        proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
+                                        drafter_pick(asked, g), chain_logits=False)
+        (mx.eval if self.price_live else mx.async_eval)(proposal.arrays())
+        self._draft_seconds = self.clock() - began  # unread: the host's part only
+        row = {id(lane): i for i, lane in enumerate(asked)}
+        drafts = [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting]
+        if self.price_live:
+            self._read(proposal, drafting, drafts)
+            return drafts, None
+        return drafts, proposal
+
+    def _counted(self, source: int, lane: Lane, depth: int) -> list[float]:
+        """Chain chances of `depth` drafts from `source` (0: the drafter, n: a lookup
+        after an n-token match), as counted for lanes of this lane's kind."""
+        return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))
+
+    def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> None:
+        """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw and
+        calibrated chances, and the problem of a lane whose proposal is unusable (none of
+        its drafts is kept)."""
+        problems = self.drafter.validate(proposal)
+        tokens = proposal.tokens.tolist()
+        confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * self.proposals] * len(tokens)
+        for lane, draft in zip(drafting, drafts):
+            if draft.row is None:
+                continue
+            draft.tokens, draft.raw, draft.problem = tokens[draft.row], confidences[draft.row], problems[draft.row]
+            draft.chances, draft.row = chain_chances(self.calibrator.calibrate(draft.raw)), None
+            if draft.problem is not None:
+                lane.stats.errors.append(str(draft.problem))
+                log.warning("lane %s: %s; none of its drafts is kept", lane.id, draft.problem)
 
     def _looked_up(self, lanes: list[Lane], drafting: list[Lane]) -> dict[int, Draft]:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
@@ -384,8 +421,7 @@ class RoundRunner:
             tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
             tokens = tokens[: max(lane.remaining - 1, 0)]
             if tokens:
-                chances = chain_chances(self.lookup_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))
-                candidates[id(lane)] = Draft(tokens, chances, ngram=n)
+                candidates[id(lane)] = Draft(tokens, self._counted(n, lane, len(tokens)), ngram=n)
         if len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
             return {key: d for key, d in candidates.items() if sum(d.chances) >= 1}
         drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
@@ -419,7 +455,7 @@ class RoundRunner:
     def _price(self, lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], draft_seconds: float) -> list[int]:
         """Every drafting lane's verify depth, decided before the target runs: all it may
         take at a fixed width, else the DSpark prefix scheduler over calibrated chances."""
-        caps = [0 if d.problem else min(self.proposals, len(d.tokens), lane.remaining - 1) for lane, d in zip(drafting, drafts)]
+        caps = [0 if d.problem else min(self.proposals, len(d.chances), lane.remaining - 1) for lane, d in zip(drafting, drafts)]
         if self.draft_width is not None:
             return caps
         # Priced by real rows, though steady shapes pad them (see _verify): where padding
@@ -440,44 +476,77 @@ class RoundRunner:
     @staticmethod
     def _windows(lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], depths: list[int]) -> list[Window]:
         """Each lane's verify window: its anchor and the drafts priced in (none for lanes
-        that do not draft this round)."""
-        depth_of = {id(lane): (d.tokens, depth) for lane, d, depth in zip(drafting, drafts, depths)}
+        that do not draft this round; an unread proposal's drafts come with the verify)."""
+        draft_of = {id(lane): (d, depth) for lane, d, depth in zip(drafting, drafts, depths)}
         windows = []
         for lane in lanes:
-            row, depth = depth_of.get(id(lane), ([], 0))
-            windows.append(Window(lane.request.sampling, lane.seed, lane.position, row[:depth], lane.request.logprobs))
+            draft, depth = draft_of.get(id(lane), (None, 0))
+            known = draft.tokens[:depth] if draft is not None and draft.tokens is not None else []
+            windows.append(Window(lane.request.sampling, lane.seed, lane.position, depth, lane.request.logprobs, known))
         return windows
 
-    def _verify(self, lanes: list[Lane], windows: list[Window]):
-        """One target forward over every lane's rows, and each lane's outcome.
+    def _verify(self, lanes: list[Lane], windows: list[Window], drafting: list[Lane], drafts: list[Draft], proposal):
+        """One target forward over every lane's rows, and each lane's outcome, read in one
+        host sync with the drafter's `proposal` where it is still unread.
 
-        Every lane feeds the same number of rows, padded past its window with its last
-        token: rows after a lane's window are never kept, never seen by its real rows
-        (they sit at later positions), and one width per round keeps shapes steady. A lane
-        near the context limit pads only up to it (its window already fits)."""
+        Every lane feeds the same number of rows, padded past its window: rows after a
+        lane's window are never kept, never seen by its real rows (they sit at later
+        positions), and one width per round keeps shapes steady. A lane near the context
+        limit pads only up to it (its window already fits)."""
         width = self.verify_width(max(w.rows for w in windows))
         limit = self.target.context_limit
-        fed = [[lane.anchor] + w.drafts for lane, w in zip(lanes, windows)]
-        out = self.target.forward(
-            [lane.target_slot for lane in lanes],
-            [rows + rows[-1:] * (min(width, limit - lane.position) - len(rows)) for lane, rows in zip(lanes, fed)],
-            taps=self.drafter.tap_layers,
-            key_bucket=KEY_BUCKET,
-        )
-        return out, verify(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out))
+        widths = [min(width, limit - lane.position) for lane in lanes]
+        fed = self._fed_rows(lanes, windows, widths, drafting, drafts, proposal)
+        out = self.target.forward([lane.target_slot for lane in lanes], fed, widths=widths,
+                                  taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET)
+        choices = row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
+        mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
+        if proposal is not None:
+            unread = {id(lane) for lane, d in zip(drafting, drafts) if d.row is not None}
+            self._read(proposal, drafting, drafts)
+            draft_of = {id(lane): d for lane, d in zip(drafting, drafts)}
+            for lane, w in zip(lanes, windows):
+                if id(lane) in unread and draft_of[id(lane)].problem is None:
+                    w.drafts = draft_of[id(lane)].tokens[: w.depth]
+        return out, choices.accept()
 
-    def _seen_rows(self, lanes: list[Lane], windows: list[Window], out) -> mx.array | None:
+    def _fed_rows(self, lanes: list[Lane], windows: list[Window], widths: list[int], drafting: list[Lane],
+                  drafts: list[Draft], proposal) -> mx.array:
+        """The verify's rows, packed lane after lane `[sum(widths)]` (lazy): each lane's
+        anchor, then its drafts, then padding (its last token, or the drafter's later
+        drafts). Drafts the host has not read are taken from the proposal on the device,
+        clipped into the vocabulary (a faulty proposal's ids are never kept)."""
+        row_of = {id(lane): d.row for lane, d in zip(drafting, drafts) if d.row is not None}
+        g = self.proposals
+        # Rows are gathered from one table: the drafter's drafts [lanes asked * g], then the host's.
+        drafted = mx.clip(proposal.tokens, 0, self.target.vocab_size - 1).astype(mx.int32).reshape(-1) if row_of else None
+        offset = 0 if drafted is None else drafted.shape[0]
+        host, index = [], []
+        for lane, w, rows in zip(lanes, windows, widths):
+            if id(lane) in row_of:  # row k > 0 is the drafter's draft k (its last, past g)
+                index += [offset + len(host)] + [row_of[id(lane)] * g + min(k, g) - 1 for k in range(1, rows)]
+                host.append(lane.anchor)
+            else:
+                known = [lane.anchor] + w.drafts
+                index += range(offset + len(host), offset + len(host) + rows)
+                host += known + known[-1:] * (rows - len(known))
+        host_rows = mx.array(host, dtype=mx.int32)
+        if drafted is None:
+            return host_rows
+        return mx.concatenate([drafted, host_rows])[mx.array(index, dtype=mx.int32)]
+
+    def _seen_rows(self, lanes: list[Lane], windows: list[Window], out, fed: mx.array) -> mx.array | None:
         """What each verify row has seen, for repetition penalties (None without one): the
-        lane's tokens, and the drafts before the row."""
+        lane's tokens, and the drafts before the row (taken from the fed rows)."""
         if all(w.params.repetition_penalty == 1.0 for w in windows):
             return None
-        rows, tokens = [], []
+        rows, fed_index = [], []
         for start, w in zip(out.row_starts, windows):
             for k in range(1, w.rows):
                 rows += [start + k] * k
-                tokens += w.drafts[:k]
+                fed_index += range(start + 1, start + 1 + k)
         seen = self.seen.rows(lanes, out.widths)
-        return mark(seen, rows, tokens) if rows else seen
+        return mark(seen, rows, fed[mx.array(fed_index, dtype=mx.int32)]) if rows else seen
 
     def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], drafts: list[Draft],
                 out, outcomes) -> tuple[list, list[int], list[int]]:
@@ -501,9 +570,9 @@ class RoundRunner:
                 lane.stats.proposed += depth
                 lane.stats.accepted += outcome.accepted
                 lane.stats.accepted_per_round.append(outcome.accepted)
+                self.counted_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)
                 if draft.ngram:
                     lane.stats.looked_up_rounds += 1
-                    self.lookup_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)
                 else:
                     self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
                     self._drafter_yield.append(outcome.accepted)

@@ -31,6 +31,7 @@ from lanes.sampling import SamplingParams, filtered_logprobs
 from tests.priced import (
     assert_drafted,
     fewest_drafted_rounds,
+    price_without_timing,
     tiny_engine,
 )
 
@@ -39,9 +40,10 @@ MAX_TOKENS = 40
 PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the drafter's block of 9
 
 
-def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False):
+def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False, price_live=None):
     # Priced windows, drafted every round on any machine, where no width is fixed.
-    return tiny_engine(path, drafter_dir, lanes, sequences, bits, draft_width=width, steady_shapes=steady_shapes)
+    return tiny_engine(path, drafter_dir, lanes, sequences, bits, draft_width=width, steady_shapes=steady_shapes,
+                       price_live=price_live)
 
 
 def plain_runs(path, prompts, max_tokens=MAX_TOKENS):
@@ -140,17 +142,79 @@ class PoisonedDrafter(ScriptedDrafter):
         super().append(lanes, taps, tokens, bucket_rows)
 
 
-def test_a_faulty_lane_runs_plain_and_its_neighbours_keep_drafting(dense_dir, drafter_dir, plain):
+@pytest.mark.parametrize("config", [dict(draft_width=6), dict(price_live=True), dict(price_live=False)],
+                         ids=["fixed", "priced-live", "priced-ahead"])
+def test_a_faulty_lane_runs_plain_and_its_neighbours_keep_drafting(config, dense_dir, drafter_dir, plain):
+    # Read before the verify (priced live), the faulty lane verifies no drafts; verified
+    # unread (fixed, priced ahead), its drafts are fed clipped and none is kept.
     loaded = open_target(dense_dir, max_lanes=4)
     real = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=4)
     poisoned = PoisonedDrafter(real, sequences_of(PROMPTS, plain), published_profile(), loaded.target.vocab_size, poisoned_slot=1)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, poisoned, EngineConfig(max_streams=4, draft_width=6))
+    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, poisoned, EngineConfig(max_streams=4, **config))
+    if "draft_width" not in config:
+        price_without_timing(engine)
     done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:4]])
     assert [d.token_ids for d in done] == plain[:4]
     assert done[1].draft.errors and "NaN or Inf" in done[1].draft.errors[0] and done[1].draft.accepted == 0
+    assert done[1].draft.drafted_rounds == 0
     healthy = [done[0], *done[2:]]
     assert not any(d.draft.errors for d in healthy)
-    assert_drafted(healthy, *scripted_floors([plain[0], *plain[2:4]], 6))
+    assert_drafted(healthy, *scripted_floors([plain[0], *plain[2:4]], config.get("draft_width", PRICED_WIDTH)))
+
+
+@pytest.mark.parametrize("steady_shapes", [False, True], ids=["exact-shapes", "steady-shapes"])
+@pytest.mark.parametrize("params", [dict(), dict(temperature=0.7, top_p=0.95, repetition_penalty=1.2)], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("lanes", [1, 16])
+def test_priced_ahead_of_the_proposal_drafted_equals_plain(steady_shapes, params, lanes, dense_dir, drafter_dir):
+    # Windows priced by counted chances, the drafter's proposal fed to the verify on the
+    # device and read with it: the round's one host sync.
+    prompts = [PROMPTS[i % len(PROMPTS)] + [40 + i] for i in range(lanes)]
+    request = lambda i, p: Request(p, MAX_TOKENS, SamplingParams(seed=70 + i, **params), draft=i % 5 != 3)
+    plain = engine_for(dense_dir, lanes=lanes).generate([request(i, p) for i, p in enumerate(prompts)])
+    engine = engine_for(dense_dir, drafter_dir, [p + d.token_ids for p, d in zip(prompts, plain)], None, lanes=lanes,
+                        steady_shapes=steady_shapes, price_live=False)
+    drafted = engine.generate([request(i, p) for i, p in enumerate(prompts)])
+    assert [d.token_ids for d in drafted] == [d.token_ids for d in plain]
+    on = [i % 5 != 3 for i in range(lanes)]
+    assert_drafted([d for d, o in zip(drafted, on) if o], *scripted_floors([d.token_ids for d, o in zip(plain, on) if o], PRICED_WIDTH))
+
+
+class CountingEvals:
+    """mlx.core as lanes.round sees it, counting `eval` calls (host syncs; `async_eval`
+    launches without waiting)."""
+
+    def __init__(self):
+        self.evals = 0
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def eval(self, *arrays):
+        self.evals += 1
+        return mx.eval(*arrays)
+
+
+@pytest.mark.parametrize("config, syncs", [(dict(draft_width=6), 1), (dict(price_live=False), 1), (dict(price_live=True), 2)],
+                         ids=["fixed", "priced-ahead", "priced-live"])
+def test_a_drafted_round_reads_the_device_once_unless_priced_live(config, syncs, dense_dir, drafter_dir, plain, monkeypatch):
+    import lanes.round
+
+    engine = tiny_engine(dense_dir, drafter_dir, 4, sequences_of(PROMPTS, plain), **config)
+    counting = CountingEvals()
+    monkeypatch.setattr(lanes.round, "mx", counting)
+    per_round = []
+    drafted_round = engine.rounds._drafted_round
+
+    def counted(*args):
+        before = counting.evals
+        result = drafted_round(*args)
+        per_round.append(counting.evals - before)
+        return result
+
+    engine.rounds._drafted_round = counted
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:4]])
+    assert [d.token_ids for d in done] == plain[:4]
+    assert len(per_round) >= 8 and set(per_round) == {syncs}
 
 
 # ---- sampling ------------------------------------------------------------------------------

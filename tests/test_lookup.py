@@ -23,14 +23,8 @@ from families.lfm2.drafter import load_drafter
 from lanes.detokenize import IncrementalDetokenizer
 from lanes.engine import Engine
 from lanes.lane import Lane, Request
-from lanes.lookup import (
-    MAX_NGRAM,
-    PRIOR_FAILED,
-    PRIOR_SURVIVED,
-    LookupChances,
-    NgramIndex,
-)
-from lanes.pricing import chain_chances
+from lanes.lookup import MAX_NGRAM, NgramIndex
+from lanes.pricing import PRIOR_FAILED, PRIOR_SURVIVED, CountedChances, chain_chances
 from lanes.round import DRAFTER_YIELD_WINDOWS, MIN_DRAFTER_WINDOWS, RoundRunner
 from lanes.sampling import SamplingParams
 from tests.priced import FlatCosts, tiny_engine
@@ -123,19 +117,19 @@ def test_the_index_agrees_with_a_brute_force_search_however_it_is_extended():
     assert cases > 2000
 
 
-# ---- LookupChances -----------------------------------------------------------------------------
+# ---- CountedChances ----------------------------------------------------------------------------
 
 
-def test_lookup_chances_start_at_the_prior():
+def test_counted_chances_start_at_the_prior():
     assert (PRIOR_SURVIVED, PRIOR_FAILED) == (3, 1)
-    chances = LookupChances(MAX_NGRAM, 5)
+    chances = CountedChances(MAX_NGRAM + 1, 5)
     for n in range(1, MAX_NGRAM + 1):
         assert chances.confidences(n, 5) == [0.75] * 5
     assert chances.confidences(2, 3) == [0.75] * 3
 
 
 def test_an_outcome_counts_survivors_and_the_first_failure_only():
-    chances = LookupChances(MAX_NGRAM, 5)
+    chances = CountedChances(MAX_NGRAM + 1, 5)
     # 4 drafts verified, 1 kept: position 1 survived, 2 failed, 3 and 4 were never
     # judged (they came after a failure), 5 was not verified.
     chances.observe(2, 4, 1)
@@ -158,7 +152,7 @@ def test_an_outcome_counts_survivors_and_the_first_failure_only():
 @pytest.mark.parametrize("depth, accepted", [(2, 3), (6, 0), (6, 6), (1, -1)])
 def test_impossible_outcomes_are_refused(depth, accepted):
     with pytest.raises(ValueError, match="accepted"):
-        LookupChances(MAX_NGRAM, 5).observe(1, depth, accepted)
+        CountedChances(MAX_NGRAM + 1, 5).observe(1, depth, accepted)
 
 
 # ---- RoundRunner's choice between lookup and the drafter ---------------------------------------
@@ -213,7 +207,7 @@ def runner_with(dense_pair, drafter_yield: float, prompt_lookup=1, windows=MIN_D
 
 def learn(runner: RoundRunner, n: int, accepted: int, times: int) -> None:
     for _ in range(times):
-        runner.lookup_chances[True].observe(n, runner.proposals, accepted)
+        runner.counted_chances[True].observe(n, runner.proposals, accepted)
 
 
 def looked_up(runner: RoundRunner, lanes: list[Lane]) -> list[int]:
@@ -275,7 +269,7 @@ def test_before_the_drafter_has_a_yield_a_lookup_is_taken_where_it_expects_to_ke
     assert looked_up(runner_with(dense_pair, 0), [one_left]) == [0]
 
 
-def test_greedy_and_sampled_lanes_learn_their_lookup_chances_apart(dense_pair):
+def test_greedy_and_sampled_lanes_learn_their_counted_chances_apart(dense_pair):
     loaded, _ = dense_pair
     greedy = make_lane(loaded, MATCHED)
     sampled = make_lane(loaded, MATCHED)
@@ -283,7 +277,7 @@ def test_greedy_and_sampled_lanes_learn_their_lookup_chances_apart(dense_pair):
     runner = runner_with(dense_pair, 2)
     # Sampled lanes' copies failed at once 20 times; greedy lanes still stand at the prior.
     for _ in range(20):
-        runner.lookup_chances[False].observe(3, runner.proposals, 0)
+        runner.counted_chances[False].observe(3, runner.proposals, 0)
     assert looked_up(runner, [greedy, sampled]) == [0]
 
 
@@ -433,7 +427,7 @@ def test_drafted_with_lookup_equals_plain(model, sampled, width, lookup, models,
     assert looked >= lookup_floor(model, plain, width or PRICED_WIDTH, lookup)
     # Looked-up rounds are drafted rounds, and the runner learned from them.
     assert all(c.draft.looked_up_rounds <= c.draft.drafted_rounds for c in loops)
-    chances, g = engine.rounds.lookup_chances[not sampled], engine.rounds.proposals
+    chances, g = engine.rounds.counted_chances[not sampled], engine.rounds.proposals
     assert any(chances.confidences(n, g) != [0.75] * g for n in range(lookup, MAX_NGRAM + 1))
 
 
@@ -444,9 +438,9 @@ def mixed_rounds(runner: RoundRunner) -> list[bool]:
     draft = runner._draft
 
     def spy(lanes, drafting):
-        drafts = draft(lanes, drafting)
+        drafts, proposal = draft(lanes, drafting)
         mixed.append(0 < sum(bool(d.ngram) for d in drafts) < len(drafts))
-        return drafts
+        return drafts, proposal
 
     runner._draft = spy
     return mixed
@@ -489,7 +483,7 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     assert seen["windows"] >= MIN_DRAFTER_WINDOWS and seen["timed"] and seen["looked_up"] > 0
     # What it learned went to throwaway instances.
     for n in range(1, MAX_NGRAM + 1):
-        for chances in runner.lookup_chances.values():
+        for chances in runner.counted_chances.values():
             assert chances.confidences(n, runner.proposals) == [0.75] * runner.proposals
     assert isinstance(runner._drafter_yield, deque) and len(runner._drafter_yield) == 0
     assert runner._drafter_yield.maxlen == DRAFTER_YIELD_WINDOWS

@@ -149,14 +149,19 @@ class Lfm2Target:
         logits: str = "all",
         taps: tuple[int, ...] = (),
         key_bucket: int = 1,
+        widths: list[int] | None = None,
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
-        `tokens` may also be a lazy `[N]` array, one row per lane (a plain round fed with
-        the previous round's unread choices). `logits` is "all" (every row) or "last"
-        (each lane's last row); `taps` are the layers whose residuals a drafter reads;
-        `key_bucket` rounds the attention's key span up (see RaggedLayout)."""
+        `tokens` may also be a lazy array of the packed rows, lane after lane, lane i
+        feeding `widths[i]` rows (one each by default): a round fed with choices or drafts
+        the host has not read. `logits` is "all" (every row) or "last" (each lane's last
+        row); `taps` are the layers whose residuals a drafter reads; `key_bucket` rounds
+        the attention's key span up (see RaggedLayout)."""
         lazy = isinstance(tokens, mx.array)
-        widths = [1] * len(lanes) if lazy else [len(t) for t in tokens]
+        if not lazy:
+            widths = [len(t) for t in tokens]
+        elif widths is None:
+            widths = [1] * len(lanes)
         offsets = [lane.length for lane in lanes]
         furthest = max(o + w for o, w in zip(offsets, widths))
         if furthest > self.context_limit:
@@ -167,8 +172,13 @@ class Lfm2Target:
         layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order], key_bucket)
         for pool in self.kv.values():
             pool.reserve(layout.span)
+        row_starts, position = [], 0
+        for w in widths:
+            row_starts.append(position)
+            position += w
         if lazy:
-            packed = tokens if order == sorted(order) else tokens[mx.array(order)]
+            in_slot_order = [row_starts[i] + r for i in order for r in range(widths[i])]
+            packed = tokens if order == sorted(order) else tokens[mx.array(in_slot_order, dtype=mx.int32)]
             packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
@@ -179,10 +189,6 @@ class Lfm2Target:
             caller_rows = mx.array([sorted_starts[i] + r for i in range(len(lanes)) for r in range(widths[i])], dtype=mx.int32)
             h = h[caller_rows]
             tapped = [t[caller_rows] for t in tapped]
-        row_starts, position = [], 0
-        for w in widths:
-            row_starts.append(position)
-            position += w
         if logits == "last":
             h = h[mx.array([s + w - 1 for s, w in zip(row_starts, widths)], dtype=mx.int32)]
         out_taps = mx.concatenate(tapped, axis=-1) if tapped else None
