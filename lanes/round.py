@@ -330,9 +330,10 @@ class RoundRunner:
         self._account(RoundReport("plain", n, n, emitted, seconds), dispatch.decision, dispatch.context)
         return events, tokens
 
-    def fold_pending(self, lanes: list[Lane], limit: int = 0) -> None:
+    def fold_pending(self, lanes: list[Lane], limit: int = 0, launch: bool = True) -> None:
         """Move lanes' pending taps into the drafter's context (those holding more than
-        `limit` rows), in one batched append."""
+        `limit` rows), in one batched append, launched unless the caller launches it
+        with what reads it (`launch`)."""
         due = [lane for lane in lanes if len(lane.pending_tokens) > limit]
         if not due:
             return
@@ -345,7 +346,8 @@ class RoundRunner:
         for lane in due:
             lane.pending_taps, lane.pending_tokens = [], []
         # Launched, not awaited: a host sync here would stall the plain-round pipeline.
-        mx.async_eval(self.drafter.state_arrays())
+        if launch:
+            mx.async_eval(self.drafter.state_arrays())
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         """Draft, price, verify, commit: the phases of a drafted round, in order."""
@@ -372,11 +374,11 @@ class RoundRunner:
         if not asked:
             return [looked[id(lane)] for lane in drafting], None
         began = self.clock()
-        self.fold_pending(asked)
+        self.fold_pending(asked, launch=False)  # launched with the proposal that reads it
         # Verification compares tokens only: the chain's float32 logits are never read.
         proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
                                         drafter_pick(asked, g), chain_logits=False)
-        (mx.eval if self.price_live else mx.async_eval)(proposal.arrays())
+        (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays()])
         self._draft_seconds = self.clock() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}
         drafts = [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting]
