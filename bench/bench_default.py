@@ -28,6 +28,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import mlx.core as mx
+
 from bench.prompt_lookup import PromptLookupDrafter
 from bench.provenance import markdown_line, provenance, write_result
 from daemon.cli import DEFAULT_PROMPT_LOOKUP
@@ -56,6 +58,8 @@ def timed(engine: Engine, prompt: list[int], max_tokens: int, sampling: Sampling
 
 def run(args) -> dict:
     record = provenance()
+    if args.dtype is None and mx.default_device() == mx.cpu:
+        args.dtype = "float32"
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
     target = loaded.target
     dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
@@ -95,7 +99,7 @@ def run(args) -> dict:
             accepted[name] += done.draft.accepted_per_round
             looked_up[name] += done.draft.looked_up_rounds
     sampling = {k: v for k, v in asdict(samplings[0]).items() if k != "seed"}
-    result = {**record, "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype, "prompts": len(prompts), "max_tokens": args.max_tokens,
+    result = {**record, "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype or "as stored", "prompts": len(prompts), "max_tokens": args.max_tokens,
               "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "engines": {}}
     for name in engines:
         result["engines"][name] = {
@@ -133,7 +137,8 @@ def main() -> None:
     p.add_argument("--name", help="base name of the result files (default: default, or default-sampled)")
     p.add_argument("--width", type=int, help="verify width (default: the drafter's trained block_size + 1)")
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="weights' dtype (default: as `laneserve generate` runs them, float32 on the CPU, as stored elsewhere)")
     p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
     args = p.parse_args()
     result = run(args)
