@@ -32,7 +32,9 @@ class TargetCheckpoint:
     eos_ids: tuple[int, ...]
 
 
-def open_target(path: str | Path, dtype: str | None = None, max_lanes: int = 16) -> TargetCheckpoint:
+def open_target(path: str | Path, dtype: str | None = None, max_lanes: int = 16, by_rows: bool | None = None) -> TargetCheckpoint:
+    """`by_rows`: see Lfm2Target."""
     model, config = load_model(path, dtype=dtype)
     tokenizer = ChatTokenizer(path)
-    return TargetCheckpoint(Path(path), Lfm2Target(model, config, max_lanes), tokenizer, eos_ids_of(path, config, tokenizer.token_to_id))
+    return TargetCheckpoint(Path(path), Lfm2Target(model, config, max_lanes, by_rows=by_rows), tokenizer,
+                            eos_ids_of(path, config, tokenizer.token_to_id))

@@ -65,6 +65,52 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
     return out if bias is None else out + bias
 
 
+# MLX's CUDA backend multiplies one row by its own GEMV kernel, but several rows through
+# cuBLASLt, building the GEMM's descriptors and asking its heuristic on every call: some
+# tens of microseconds of host time per matmul, more than a small weight's whole product
+# (a verify of 9 rows of the embedded default spends 1.5 ms more than a one-row step,
+# most of it there). A small weight times a few rows is served instead as one
+# matrix-vector product per row: one batched GEMV launch, the weight read once per row
+# from cache.
+ROW_PRODUCT_ROWS = 16
+ROW_PRODUCT_BYTES = 8 * 2**20
+
+
+def row_products(weight: mx.array, x: mx.array) -> mx.array:
+    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: one matrix-vector product per
+    row for 2..ROW_PRODUCT_ROWS rows, else one matmul."""
+    rows = x.size // x.shape[-1]
+    if 1 < rows <= ROW_PRODUCT_ROWS:
+        return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
+    return x @ weight.T
+
+
+class RowProductLinear(nn.Module):
+    """A linear map served by `row_products`."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = row_products(self.weight, x)
+        return y + self.bias if "bias" in self else y
+
+
+def serve_small_linears_by_rows(model: nn.Module) -> None:
+    """Serve every unquantized linear map of `model` whose weight has at most
+    ROW_PRODUCT_BYTES by `row_products` (see there)."""
+    def served(child):
+        small = type(child) is nn.Linear and child.weight.nbytes <= ROW_PRODUCT_BYTES
+        return RowProductLinear(child) if small else child
+
+    for _, module in list(model.named_modules()):
+        for name, child in list(module.items()):
+            module[name] = [served(c) for c in child] if isinstance(child, list) else served(child)
+
+
 def merged_linear(parts: list[nn.Module]) -> nn.Module | None:
     """One linear map whose output is the parts' outputs side by side, or None where they
     cannot be merged exactly (mixed or differently quantized parts).
@@ -362,9 +408,22 @@ class Lfm2Model(nn.Module):
             (ffn.experts if isinstance(ffn, SparseMoE) else ffn).merge_projections()
             mx.eval(layer.parameters())
 
+    def serve_by_rows(self) -> None:
+        """Serve small weights times a few rows by `row_products`, the tied head too
+        where its table is small and not quantized (a GPU backend's choice, see there)."""
+        serve_small_linears_by_rows(self)
+        table = self.embed_tokens
+        self.head_by_rows = type(table) is nn.Embedding and table.weight.nbytes <= ROW_PRODUCT_BYTES
+
+    def tied_logits(self, x: mx.array) -> mx.array:
+        """`x @ embed_tokens.T`: the tied table read out as the vocabulary's logits."""
+        if getattr(self, "head_by_rows", False):
+            return row_products(self.embed_tokens.weight, x)
+        return self.embed_tokens.as_linear(x)
+
     def head(self, h: mx.array) -> mx.array:
         """Final norm, then the tied head: `logits = norm(h) @ embed_tokens.T`."""
-        return self.embed_tokens.as_linear(self.embedding_norm(h))
+        return self.tied_logits(self.embedding_norm(h))
 
     def __call__(self, tokens: mx.array, taps: tuple[int, ...] = ()) -> tuple[mx.array, list[mx.array]]:
         """Whole sequences `[B, T]` from position 0 -> residual `[B, T, H]` after the last

@@ -79,13 +79,18 @@ class RoundOutput:
 
 
 class Lfm2Target:
-    def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16, compiled: bool = True):
-        """`compiled`: run uniform rounds of few rows as compiled functions (see above)."""
+    def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16, compiled: bool = True,
+                 by_rows: bool | None = None):
+        """`compiled`: run uniform rounds of few rows as compiled functions (see above).
+        `by_rows`: multiply small weights by a few rows as matrix-vector products
+        (model.row_products); None: where the backend plans per shape (CUDA)."""
         self.model = model
         self.compiled = compiled
         self._conv_version = 0  # counts changes to the conv pools (see commit)
         self._traces = Traces(self._traced_segment, limit=4096)  # segments x lane counts x widths x taps x slot views
         model.merge_projections()
+        if plans_per_shape() if by_rows is None else by_rows:
+            model.serve_by_rows()
         self.config = config
         self.max_lanes = max_lanes
         # Positions at whose multiples each lane keeps its conv state (0: none); a prefix

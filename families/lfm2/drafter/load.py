@@ -57,6 +57,7 @@ def load_drafter(
     bits: int | None = None,
     max_lanes: int = 16,
     compiled: bool = True,
+    by_rows: bool | None = None,
 ) -> DSparkDrafter:
     """Load a LiquidAI DSpark drafter directory for a loaded target.
 
@@ -64,8 +65,8 @@ def load_drafter(
     every refusal is a CheckpointError naming the field or tensor. `dtype` casts the
     floating weights ("float32", "float16", "bfloat16"; default: as stored). `bits=8`
     is an explicit opt-in that quantizes the drafter's linear layers (MLX affine, group
-    64); the Markov table and the one-row confidence head stay as loaded. `compiled`:
-    see DSparkDrafter."""
+    64); the Markov table and the one-row confidence head stay as loaded. `compiled`,
+    `by_rows`: see DSparkDrafter."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"drafter directory {path} {'is a file, not a directory' if path.exists() else 'does not exist'}")
@@ -93,4 +94,4 @@ def load_drafter(
         mx.eval(model.parameters())
         log.info("drafter linear layers quantized to %d bits (group %d)", bits, QUANT_GROUP)
     model.eval()
-    return DSparkDrafter(model, target_model, max_lanes, compiled)
+    return DSparkDrafter(model, target_model, max_lanes, compiled, by_rows)

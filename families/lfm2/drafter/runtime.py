@@ -14,11 +14,12 @@ from ..cache import (
     RaggedLayout,
     SlotAllocator,
     Traces,
+    plans_per_shape,
     put_stacked_rows,
     row_bucket,
     stacked_rows,
 )
-from ..model import Lfm2Model
+from ..model import Lfm2Model, serve_small_linears_by_rows
 from .model import DSparkModel
 
 # Proposals round their key span up to this many rows (see RaggedLayout).
@@ -110,12 +111,16 @@ class DSparkDrafter:
     that token's target row), at that token's position; its length must equal the
     target's committed length. `propose` never grows it."""
 
-    def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16, compiled: bool = True):
+    def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16, compiled: bool = True,
+                 by_rows: bool | None = None):
         """`compiled`: context appends and proposals run as compiled functions, one trace
-        per shape (see target.py)."""
+        per shape (see target.py). `by_rows`: small weights times a few rows as
+        matrix-vector products (see families.lfm2.model.row_products); None: where the
+        backend plans per shape (CUDA)."""
         self.model = model
         self.config = model.config
         self.embed = target_model.embed_tokens  # borrowed: embeds the block and is the head
+        self.tied_logits = target_model.tied_logits
         self.max_lanes = max_lanes
         self.dtype = model.hidden_norm.weight.dtype
         cfg = self.config
@@ -124,6 +129,8 @@ class DSparkDrafter:
         for layer in model.layers:
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
+        if plans_per_shape() if by_rows is None else by_rows:
+            serve_small_linears_by_rows(model)
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
         self._contexts = Traces(lambda rows: self._context_keys_values)
@@ -296,7 +303,7 @@ class DSparkDrafter:
         `l_k = U_k + w2(w1[prev_k])`, `x_{k+1} = pick(l_k)`."""
         cfg, g = self.config, h.shape[1]
         markov = self.model.markov_head
-        base = self.embed.as_linear(h)  # U_k: row k proposes x_{k+1}
+        base = self.tied_logits(h)  # U_k: row k proposes x_{k+1}
         prev = anchors
         tokens, logits, prev_rows = [], [], []
         for k in range(g):
