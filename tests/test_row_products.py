@@ -6,14 +6,20 @@ swapped, and drafted output equals plain output with every map served this way."
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 
 from bench.scripted import ScriptedDrafter, published_profile
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
-from families.lfm2.model import ROW_PRODUCT_BYTES, ROW_PRODUCT_ROWS, RowProductLinear, row_products, serve_small_linears_by_rows
+from families.lfm2.model import (
+    ROW_PRODUCT_BYTES,
+    ROW_PRODUCT_ROWS,
+    RowProductLinear,
+    row_products,
+    serve_small_linears_by_rows,
+)
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 from tests.priced import assert_drafted, price_without_timing
@@ -56,7 +62,7 @@ def test_target_and_drafter_serve_their_maps_by_rows(by_rows):
     assert type(drafter.model.markov_head.markov_w2) is RowProductLinear
 
 
-@pytest.mark.parametrize("config", [dict(draft_width=6), dict(price_live=False)], ids=["fixed", "priced-ahead"])
+@pytest.mark.parametrize("config", [{"draft_width": 6}, {"price_live": False}], ids=["fixed", "priced-ahead"])
 def test_drafted_equals_plain_by_rows(config, by_rows):
     loaded, drafter = by_rows
     plain_engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=4))
