@@ -90,13 +90,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "after a rejection the emitted token is a fresh draw from the target's p with independent noise "
         "(another key), not the row's coupled choice (the analogue of resampling from p instead of the residual)",
         (Edit("lanes/verify.py",
-              "    choices = choose(target, params, keys)\n",
-              "    choices = choose(target, params, keys)\n"
-              "    fresh = choose(target, params, [(k * 0x9E3779B1 + 1) & 0xFFFFFFFF for k in keys]).tolist()\n"),
+              "    return RowChoices(row_starts, windows, choices, logprob_arrays(logits, choices, wanted), wanted)\n",
+              "    result = RowChoices(row_starts, windows, choices, logprob_arrays(logits, choices, wanted), wanted)\n"
+              "    result.fresh = choose(target, params, [(k * 0x9E3779B1 + 1) & 0xFFFFFFFF for k in keys])\n"
+              "    return result\n"),
          Edit("lanes/verify.py",
-              "        outcomes.append(Outcome(accepted, mine[: accepted + 1], logprobs))\n",
-              "        last = fresh[start + accepted] if accepted < len(w.drafts) else mine[accepted]\n"
-              "        outcomes.append(Outcome(accepted, mine[:accepted] + [last], logprobs))\n")),
+              "            outcomes.append(Outcome(accepted, mine[: accepted + 1], logprobs))\n",
+              "            fresh = self.fresh.tolist()\n"
+              "            last = fresh[start + accepted] if accepted < len(w.drafts) else mine[accepted]\n"
+              "            outcomes.append(Outcome(accepted, mine[:accepted] + [last], logprobs))\n")),
         ("tests/test_drafting_exact.py",),
     ),
     Mutant(
@@ -187,11 +189,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "lookup-chances-shared-by-sampling",
         "greedy and sampled lanes price lookup windows from one set of chances (sampled lanes' failures lower greedy ones')",
         (Edit("lanes/round.py",
-              "                    self.counted_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)",
-              "                    self.counted_chances[True].observe(draft.ngram, depth, outcome.accepted)"),
+              "                self.counted_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)",
+              "                self.counted_chances[True].observe(draft.ngram, depth, outcome.accepted)"),
          Edit("lanes/round.py",
-              "                chances = chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(n, len(tokens)))",
-              "                chances = chain_chances(self.counted_chances[True].confidences(n, len(tokens)))")),
+              "        return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))",
+              "        return chain_chances(self.counted_chances[True].confidences(source, depth))")),
         ("tests/test_lookup.py",),
     ),
 )
