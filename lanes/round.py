@@ -456,7 +456,8 @@ class RoundRunner:
 
     def _price(self, lanes: list[Lane], drafting: list[Lane], drafts: list[Draft], draft_seconds: float) -> list[int]:
         """Every drafting lane's verify depth, decided before the target runs: all it may
-        take at a fixed width, else the DSpark prefix scheduler over calibrated chances."""
+        take at a fixed width, else the DSpark prefix scheduler over the drafts' chain
+        chances (calibrated confidences, or counted survival where a proposal is unread)."""
         caps = [0 if d.problem else min(self.proposals, len(d.chances), lane.remaining - 1) for lane, d in zip(drafting, drafts)]
         if self.draft_width is not None:
             return caps
