@@ -111,7 +111,7 @@ class GenerationFields(Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     draft: bool = True  # laneserve's extension: false decodes this request plainly
-    cache_prompt: bool = True  # llama.cpp's name: false reads the whole prompt, none of it from the prefix cache
+    cache_prompt: bool = True  # llama.cpp's name: false reads the whole prompt, none of it from the prefix cache, and leaves none there
 
 
 class ChatCompletionRequest(GenerationFields, kw_only=True):

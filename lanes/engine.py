@@ -376,9 +376,10 @@ class Engine:
 
     def _offer(self, lane: Lane) -> None:
         """Give a finished lane's blocks to the prefix cache (not a faulted lane's: its
-        caches may be part-written) and unpin the ones it resumed from."""
+        caches may be part-written; nor one that asked to bypass the cache) and unpin the
+        ones it resumed from."""
         try:
-            if lane.finish_reason is not FinishReason.ERROR and lane.target_slot is not None:
+            if lane.request.cache and lane.finish_reason is not FinishReason.ERROR and lane.target_slot is not None:
                 if lane.drafter_slot is not None:
                     self.rounds.fold_pending([lane])  # its blocks carry the drafter's context to the last row
                 self.prefix_cache.offer(lane)

@@ -35,7 +35,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     draft: bool = True
-    cache: bool = True  # resume from the prefix cache where it holds this prompt's start
+    cache: bool = True  # resume from the prefix cache where it holds this prompt's start, and leave its blocks there
     id: str = field(default_factory=lambda: f"req-{next(_request_ids)}")
     logprobs: int | None = None  # None: off; k: each token's logprob and its k best alternatives
     # Called on the engine thread with each LaneEvent; the client hops it onto its loop.

@@ -254,6 +254,15 @@ def test_a_request_may_bypass_the_cache(dense_dir):
     assert engine.generate([Request(prompt, 4)])[0].cached_tokens == 48
 
 
+def test_a_request_that_bypasses_the_cache_leaves_nothing_in_it(dense_dir):
+    prompt = [1] + tokens(141, 50)
+    engine = engine_for(dense_dir)
+    engine.generate([Request(prompt, 4, cache=False)])
+    assert engine.prefix_cache.stats()["blocks"] == 0
+    assert engine.generate([Request(prompt, 4)])[0].cached_tokens == 0
+    assert engine.prefix_cache.stats()["blocks"] > 0  # the same prompt, cached this time
+
+
 def test_blocks_are_named_by_their_whole_prefix():
     a, b = list(range(BLOCK)), list(range(1, BLOCK + 1))
     assert block_digest(b"", a) != block_digest(b"", b)
