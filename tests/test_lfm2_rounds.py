@@ -114,3 +114,21 @@ def test_chunked_prefill_equals_one_shot(checkpoint, request):
         np.testing.assert_allclose(taps, one_shot[1], atol=1e-4)
         for name in state:
             np.testing.assert_allclose(state[name], one_shot[2][name], atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+def test_lazy_rows_in_any_lane_order_equal_host_rows(checkpoint, request):
+    # A drafted round feeds its verify rows as one lazy array (drafts the host has not
+    # read), lanes in the caller's order, which need not be slot order.
+    path = request.getfixturevalue(checkpoint)
+    target = fresh_target(path, lanes=3)
+    slots = [target.open_lane() for _ in range(3)]
+    for i, slot in enumerate(slots):
+        target.prefill(slot, tokens(60 + i, 5 + 3 * i))
+    caller = [slots[2], slots[0], slots[1]]
+    rows = [tokens(70 + i, 4) for i in range(3)]
+    listed = target.forward(caller, rows, taps=(1,))
+    lazy = target.forward(caller, mx.array([t for r in rows for t in r]), widths=[4, 4, 4], taps=(1,))
+    np.testing.assert_allclose(np.array(lazy.logits), np.array(listed.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(lazy.taps), np.array(listed.taps), rtol=1e-5, atol=1e-5)
+    assert lazy.row_starts == listed.row_starts == [0, 4, 8]
