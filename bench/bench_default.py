@@ -1,6 +1,6 @@
 """The embedded default: does its trained drafter get accepted, and does drafting pay?
 
-    python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled]
+    python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled] [--log FILE]
 
 On the held-out prompts of bench/default_prompts.json (chat questions on held-out
 dictionary and jargon entries, openings of held-out paragraphs), greedy (or, with
@@ -14,7 +14,10 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
   DSpark priced with guards and prompt lookup beside it (as `laneserve generate` runs
   it), plain and drafted alternated per prompt.
 
-Every drafted output is checked against the plain one. Writes NAME.json and NAME.md
+Every drafted output is checked against the plain one. `--log FILE` writes the lane
+core's debug log (every round and guard decision), each engine's run of each prompt
+headed by an `engine=NAME prompt=I` line; logging every round slows the run, so its
+timings are for reading the log against, not for quoting. Writes NAME.json and NAME.md
 under --out (`--name`; default: default, or default-sampled with `--sampled`), each with its command, commit
 and machine.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from dataclasses import asdict
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from bench.lane_log import write_lane_core_log
 from bench.prompt_lookup import PromptLookupDrafter
 from bench.provenance import markdown_line, provenance, write_result
 from daemon.cli import DEFAULT_PROMPT_LOOKUP
@@ -42,6 +47,7 @@ from lanes.lane import Request
 from lanes.sampling import SamplingParams
 
 PROMPTS = Path(__file__).parent / "default_prompts.json"
+log = logging.getLogger("laneserve.bench_default")
 
 
 def encode(tokenizer, prompt: dict) -> list[int]:
@@ -89,9 +95,10 @@ def run(args) -> dict:
     accepted = {name: [] for name in engines}
     looked_up = {name: 0 for name in engines}
     exact = True
-    for prompt, sampling in zip(prompts, samplings):
+    for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
         plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
         for name, e in engines.items():
+            log.debug("engine=%s prompt=%d", name, i)
             done, spent = timed(e, prompt, args.max_tokens, sampling)
             exact &= done.token_ids == plain.token_ids
             tokens[name] += len(done.token_ids)
@@ -140,7 +147,10 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="weights' dtype (default: as `laneserve generate` runs them, float32 on the CPU, as stored elsewhere)")
     p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
+    p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
     args = p.parse_args()
+    if args.log:
+        write_lane_core_log(args.log)
     result = run(args)
     name = args.name or ("default-sampled" if args.sampled else "default")
     write_result(args.out, name, result, markdown(result))

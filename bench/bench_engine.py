@@ -33,13 +33,13 @@ each with its command, commit and machine; `--log` writes every round and every 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import time
 
 import mlx.core as mx
 import numpy as np
 
+from bench.lane_log import write_lane_core_log
 from bench.provenance import markdown_line, provenance, write_result
 from bench.scripted import (
     ScriptedDrafter,
@@ -234,11 +234,7 @@ def main() -> None:
     p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
     args = p.parse_args()
     if args.log:
-        handler = logging.FileHandler(args.log, mode="w")
-        handler.setFormatter(logging.Formatter("%(relativeCreated)d %(name)s %(message)s"))
-        lanes_log = logging.getLogger("laneserve")
-        lanes_log.addHandler(handler)
-        lanes_log.setLevel(logging.DEBUG)
+        write_lane_core_log(args.log)
     result = run(args)
     for r in [*result["streams"].values(), *result["long_context"].values()]:
         r.pop("tokens", None)
