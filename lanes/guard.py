@@ -23,6 +23,12 @@ Per band:
   probed often, so a close call is re-measured soon (acceptance moves with the text a
   lane writes), while a clear loser is probed rarely. Exploration rounds are not probes
   and are not counted in the budget; they happen once per band.
+- Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
+  average over rounds decayed like the evidence). Without it a winner whose estimate has
+  sunk to just above the loser's makes probes of the loser nearly free, so the loser
+  runs round after round, the winner never runs to correct its estimate, and the band
+  is stuck on the slower choice: drafting, whose rounds keep anything from no draft to
+  all of them, fell into this and ran plain most of the time where it paid 1.6x.
 - Throughput per choice is a ratio of decayed sums (tokens over seconds). Both choices'
   sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
@@ -122,6 +128,7 @@ class _BandEvidence:
     probe_seconds: float = 0.0
     probe_loss_seconds: float = 0.0  # what probes lost against the winner (the budget's measure)
     probe_rounds: int = 0
+    probe_share: float = 0.0  # decayed share of recent rounds that were probes
 
     def drafting_wins(self) -> bool:
         return self.drafted.tokens_per_second > self.plain.tokens_per_second
@@ -131,13 +138,17 @@ class DraftGuard:
     """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
     def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
-                 warm_rounds: int = 1) -> None:
+                 warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
         """`budget`: the share of a band's seconds that probes may lose; `smoothing`: the
         per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
         new band runs; `outlier_factor`: the most a round counts, in its choice's mean
-        round times; `warm_rounds`: the rounds of each choice a band runs uncounted first."""
+        round times; `warm_rounds`: the rounds of each choice a band runs uncounted first;
+        `max_probe_share`: the most of a band's recent rounds that may be probes."""
         if not 0.0 < budget < 1.0:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
+        if not 0.0 < max_probe_share <= 1.0:
+            raise ValueError(f"max_probe_share must be in (0, 1], got {max_probe_share}")
+        self._max_probe_share = max_probe_share
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if explore_rounds < 1:
@@ -199,6 +210,7 @@ class DraftGuard:
         evidence = self._bands.setdefault(decision.band, _BandEvidence())
         choice = evidence.drafted if decision.draft else evidence.plain
         evidence.seconds += round_seconds
+        evidence.probe_share = self._keep * evidence.probe_share + (1.0 - self._keep) * decision.probe
         if choice.warm < self._warm_rounds:
             choice.warm += 1
             return
@@ -240,6 +252,8 @@ class DraftGuard:
         }
 
     def _probe_affordable(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float) -> bool:
+        if evidence.probe_share >= self._max_probe_share:
+            return False
         expected_loss = loser.mean_loss_seconds(winner_tps)
         return evidence.probe_loss_seconds + expected_loss <= self._budget * (evidence.seconds + loser.mean_round_seconds)
 
