@@ -2,6 +2,7 @@
 rather than measured: what the guard makes of a machine whose rounds cost what you say.
 
     python -m bench.guard_replay --out bench/results/NAME [--plain-ms 1.5] [--drafted-ms 3.3,4.9,8] [--max-tokens 96]
+        [--max-probe-share 0.25]
 
 The held-out prompts of bench/default_prompts.json run greedy, one stream, float32, on
 this machine; every round the guard records is charged `--plain-ms` if it ran plain and
@@ -37,8 +38,8 @@ from lanes.pricing import CostTable
 class ChargedGuard(DraftGuard):
     """The guard, charged the given cost for each round it records."""
 
-    def __init__(self, plain_seconds: float, drafted_seconds: float):
-        super().__init__()
+    def __init__(self, plain_seconds: float, drafted_seconds: float, max_probe_share: float):
+        super().__init__(max_probe_share=max_probe_share)
         self.costs = {False: plain_seconds, True: drafted_seconds}
         self.charged, self.tokens = 0.0, 0
         self.rounds = {False: 0, True: 0}
@@ -61,14 +62,15 @@ class FlatVerifyCosts(CostTable):
         return 1.0
 
 
-def replay(loaded, drafter, prompts: list[list[int]], max_tokens: int, plain_s: float, drafted_s: float) -> dict:
+def replay(loaded, drafter, prompts: list[list[int]], max_tokens: int, plain_s: float, drafted_s: float,
+           max_probe_share: float) -> dict:
     """Speedup over plain and rounds drafted, per policy, under the given costs. Counted
     over the rounds after a reply's first token (which the prompt's read gives)."""
     result = {}
     for name, lookup in (("guard", 0), ("guard_lookup", 2)):
         engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
                         EngineConfig(max_streams=1, prompt_lookup=lookup, price_live=False))
-        guard = engine.rounds.guard = ChargedGuard(plain_s, drafted_s)
+        guard = engine.rounds.guard = ChargedGuard(plain_s, drafted_s, max_probe_share)
         engine.rounds.costs = FlatVerifyCosts()
         for prompt in prompts:
             engine.generate([Request(prompt, max_tokens)])
@@ -93,16 +95,19 @@ def run(args) -> dict:
     loaded = open_target(default_target_dir(), dtype="float32", max_lanes=1)
     drafter = load_drafter(default_drafter_dir(), loaded.target.model, loaded.target.config, dtype="float32", max_lanes=1)
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
-    result = {**record, "prompts": len(prompts), "max_tokens": args.max_tokens, "plain_ms": args.plain_ms, "costs": {}}
+    result = {**record, "prompts": len(prompts), "max_tokens": args.max_tokens, "plain_ms": args.plain_ms,
+              "max_probe_share": args.max_probe_share, "costs": {}}
     for drafted_ms in args.drafted_ms:
-        cell = result["costs"][drafted_ms] = replay(loaded, drafter, prompts, args.max_tokens, args.plain_ms / 1e3, drafted_ms / 1e3)
+        cell = result["costs"][drafted_ms] = replay(loaded, drafter, prompts, args.max_tokens, args.plain_ms / 1e3,
+                                                    drafted_ms / 1e3, args.max_probe_share)
         print(f"drafted {drafted_ms} ms: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in cell.items()), flush=True)
     return result
 
 
 def markdown(result: dict) -> str:
     setting = (f"{result['prompts']} held-out prompts, greedy, up to {result['max_tokens']} tokens, one stream, float32; "
-               f"plain rounds charged {result['plain_ms']} ms, drafted rounds as below, verifies priced flat. "
+               f"plain rounds charged {result['plain_ms']} ms, drafted rounds as below, verifies priced flat; "
+               f"the guard's probe share at most {result['max_probe_share']}. "
                "Speedup over plain under those costs (drafted rounds of the policy).")
     lines = [markdown_line(result), "", setting, "",
              "| drafted round ms | guard, priced | guard, priced, prompt lookup beside it | fixed width 9 |",
@@ -120,6 +125,8 @@ def main() -> None:
     p.add_argument("--plain-ms", type=float, default=1.5)
     p.add_argument("--drafted-ms", type=lambda s: [float(x) for x in s.split(",")], default=[3.3, 4.9, 8.0])
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-probe-share", type=float, default=DraftGuard().max_probe_share,
+                   help="the guard's cap on probes (1 lifts it, as before e14970f)")
     args = p.parse_args()
     result = run(args)
     write_result(args.out, args.name, result, markdown(result))

@@ -148,7 +148,7 @@ class DraftGuard:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
         if not 0.0 < max_probe_share <= 1.0:
             raise ValueError(f"max_probe_share must be in (0, 1], got {max_probe_share}")
-        self._max_probe_share = max_probe_share
+        self.max_probe_share = max_probe_share
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         if explore_rounds < 1:
@@ -252,7 +252,7 @@ class DraftGuard:
         }
 
     def _probe_affordable(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float) -> bool:
-        if evidence.probe_share >= self._max_probe_share:
+        if evidence.probe_share >= self.max_probe_share:
             return False
         expected_loss = loser.mean_loss_seconds(winner_tps)
         return evidence.probe_loss_seconds + expected_loss <= self._budget * (evidence.seconds + loser.mean_round_seconds)
