@@ -196,6 +196,13 @@ MUTANTS: tuple[Mutant, ...] = (
               "        return chain_chances(self.counted_chances[True].confidences(source, depth))")),
         ("tests/test_lookup.py",),
     ),
+    Mutant(
+        "guard-probes-uncapped",
+        "the guard's probes are limited by its loss budget only, not by their share of recent rounds: "
+        "a loser that looks nearly free runs round after round",
+        (Edit("lanes/guard.py", "        if evidence.probe_share >= self.max_probe_share:", "        if False:"),),
+        ("tests/test_guard.py",),
+    ),
 )
 
 
