@@ -392,13 +392,14 @@ class RoundRunner:
         after an n-token match), as counted for lanes of this lane's kind."""
         return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))
 
-    def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> None:
+    def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> dict[int, list[int]]:
         """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw and
         calibrated chances, and the problem of a lane whose proposal is unusable (none of
-        its drafts is kept)."""
+        its drafts is kept). Returns the usable drafts it read, by lane id."""
         problems = self.drafter.validate(proposal)
         tokens = proposal.tokens.tolist()
         confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * self.proposals] * len(tokens)
+        read = {}
         for lane, draft in zip(drafting, drafts):
             if draft.row is None:
                 continue
@@ -407,6 +408,9 @@ class RoundRunner:
             if draft.problem is not None:
                 lane.stats.errors.append(str(draft.problem))
                 log.warning("lane %s: %s; none of its drafts is kept", lane.id, draft.problem)
+            else:
+                read[id(lane)] = draft.tokens
+        return read
 
     def _looked_up(self, lanes: list[Lane], drafting: list[Lane]) -> dict[int, Draft]:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
@@ -505,12 +509,10 @@ class RoundRunner:
         choices = row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
         mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
         if proposal is not None:
-            unread = {id(lane) for lane, d in zip(drafting, drafts) if d.row is not None}
-            self._read(proposal, drafting, drafts)
-            draft_of = {id(lane): d for lane, d in zip(drafting, drafts)}
+            read = self._read(proposal, drafting, drafts)
             for lane, w in zip(lanes, windows):
-                if id(lane) in unread and draft_of[id(lane)].problem is None:
-                    w.drafts = draft_of[id(lane)].tokens[: w.depth]
+                if id(lane) in read:
+                    w.drafts = read[id(lane)][: w.depth]
         return out, choices.accept()
 
     def _fed_rows(self, lanes: list[Lane], windows: list[Window], widths: list[int], drafting: list[Lane],

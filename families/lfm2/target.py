@@ -182,8 +182,9 @@ class Lfm2Target:
             row_starts.append(position)
             position += w
         if lazy:
-            in_slot_order = [row_starts[i] + r for i in order for r in range(widths[i])]
-            packed = tokens if order == sorted(order) else tokens[mx.array(in_slot_order, dtype=mx.int32)]
+            packed = tokens
+            if order != sorted(order):  # the rows in slot order
+                packed = tokens[mx.array([row_starts[i] + r for i in order for r in range(widths[i])], dtype=mx.int32)]
             packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
