@@ -16,7 +16,8 @@ a script that rewrites its files as it goes keeps the record of the run it is.
   an explicit BENCH_COMMIT also wins over git, whose metadata in such a copy can be stale.
   Otherwise "unknown".
 - machine: OS, architecture, CPU count and MLX's default device, with the accelerator's
-  name and memory where MLX reports them.
+  name and memory where MLX reports them, and the MLX_* settings in the environment
+  (families/backend.py gives some defaults; any may change speed).
 - mlx: MLX's version; date: when the run started, UTC.
 """
 
@@ -96,7 +97,8 @@ def machine() -> str:
         str(info.get("device_name", "")).strip(),
         f"{info['memory_size'] / 1e9:.1f} GB" if isinstance(info.get("memory_size"), (int, float)) else "",
     ]))
-    return f"{described}; {kind}" + (f": {accelerator}" if accelerator else "")
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MLX_"))
+    return f"{described}; {kind}" + (f": {accelerator}" if accelerator else "") + (f"; {settings}" if settings else "")
 
 
 def provenance(argv: list[str] | None = None, module: str | None = None) -> dict:
