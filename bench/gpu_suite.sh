@@ -16,6 +16,8 @@
 #   upkeep    bench_upkeep, 2.6B shape at 32K context                 -> upkeep.{json,md}
 #   prefix    bench_prefix_cache, 2.6B shape: an 8-turn chat to 4K
 #             tokens, cache on and off                                -> gpu-prefix-cache-2.6b.{json,md}
+#   prompts   bench_prompt_reads, 2.6B shape: prompts of new lengths,
+#             fused attention for steady chunks only or for every one -> prompt-reads-2.6b.{json,md}
 #
 # Every result file records its command, commit and machine (bench/provenance.py). The
 # copy of the tree on the GPU machine has no reliable git metadata, so BENCH_COMMIT must
@@ -25,7 +27,7 @@
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
 # machine. A failing step does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep|prefix"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep|prefix|prompts"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -77,6 +79,10 @@ upkeep)
 prefix)
   checkpoints_2_6b
   step python -m bench.bench_prefix_cache --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name gpu-prefix-cache-2.6b
+  ;;
+prompts)
+  checkpoints_2_6b
+  step python -m bench.bench_prompt_reads --model "$ck/2.6b" --out "$out" --name prompt-reads-2.6b
   ;;
 *)
   echo "$usage" >&2

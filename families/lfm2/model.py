@@ -14,23 +14,40 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import ConvPool, KVPool, RaggedLayout
+from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
 # Queries up to this many rows per lane (decode steps, verify windows, draft blocks) are
 # attended with plain matmuls: the fused kernel of a GPU backend may build a plan for
 # every new shape (cuDNN's take tens of milliseconds), and these shapes change from
-# round to round. Longer queries (prompt chunks) take the fused kernel.
+# round to round. Longer queries (prompt chunks) take the fused kernel, except where the
+# backend plans per shape: there only chunks of a multiple of STEADY_QUERY rows do. A
+# full chunk's shape recurs from prompt to prompt (its keys end at a chunk boundary),
+# while a prompt's last, partial chunk is a new length almost every request: on the H200
+# a new 1,000-token prompt took 101 ms to read where one of a length seen before took 31.
 SMALL_QUERY = 32
+STEADY_QUERY = 256
+
+
+def fused_attention(rows: int) -> bool:
+    """Whether queries of `rows` rows per lane take the backend's fused attention kernel."""
+    if rows == 1:
+        return True
+    if rows <= SMALL_QUERY:
+        return False
+    return rows % STEADY_QUERY == 0 or not plans_per_shape()
 
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """Grouped-query attention `softmax(q k^T * scale + mask) v`: q `[N, heads, T, D]`,
-    keys and values `[N, kv_heads, S, D]`, mask boolean `[N, 1, T, S]`, "causal" or None."""
+    keys and values `[N, kv_heads, S, D]`, mask boolean `[N, 1, T, S]`, "causal"
+    (bottom-right aligned: row j sees the first S - T + 1 + j keys) or None."""
     n, heads, t, d = q.shape
-    if t == 1 or t > SMALL_QUERY or isinstance(mask, str):
+    if fused_attention(t):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    kv_heads = keys.shape[1]
+    kv_heads, s = keys.shape[1], keys.shape[2]
+    if isinstance(mask, str):
+        mask = (mx.arange(s, dtype=mx.int32)[None, :] <= mx.arange(s - t, s, dtype=mx.int32)[:, None])[None, None]
     group = heads // kv_heads
     q = (q * scale).reshape(n, kv_heads, group * t, d)  # a kv head's query heads, row after row
     scores = (q @ keys.swapaxes(-1, -2)).reshape(n, kv_heads, group, t, -1)
