@@ -12,12 +12,14 @@
 #   engine    bench_engine, scripted acceptance at the published
 #             profile, 1/4/8/16 streams                               -> engine.{json,md}, engine.log.gz
 #   long      bench_engine, acceptance falling with context, 4K to
-#             126K tokens, guards on                                  -> engine-long.{json,md}, engine-long.log.gz
+#             126K tokens, guards on, 5 alternations                  -> engine-long.{json,md}, engine-long.log.gz
 #   upkeep    bench_upkeep, 2.6B shape at 32K context                 -> upkeep.{json,md}
 #   prefix    bench_prefix_cache, 2.6B shape: an 8-turn chat to 4K
 #             tokens, cache on and off                                -> gpu-prefix-cache-2.6b.{json,md}
 #   prompts   bench_prompt_reads, 2.6B shape: prompts of new lengths,
 #             fused attention for steady chunks only or for every one -> prompt-reads-2.6b.{json,md}
+#   fuse      cuda_cache_fuse: MLX's graph-cache fuse, bare and with
+#             laneserve's backend defaults                            -> cuda-cache-fuse.{json,md}
 #
 # Every result file records its command, commit and machine (bench/provenance.py). The
 # copy of the tree on the GPU machine has no reliable git metadata, so BENCH_COMMIT must
@@ -27,7 +29,7 @@
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
 # machine. A failing step does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep|prefix|prompts"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -69,7 +71,7 @@ engine)
 long)
   checkpoints_2_6b
   step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name engine-long \
-    --streams '' --long-contexts 4096,32768,126000 --long-alternations 3 --long-gen-tokens 256 --log "$out/engine-long.log"
+    --streams '' --long-contexts 4096,32768,126000 --long-alternations 5 --long-gen-tokens 256 --log "$out/engine-long.log"
   gzip -f "$out/engine-long.log"
   ;;
 upkeep)
@@ -83,6 +85,9 @@ prefix)
 prompts)
   checkpoints_2_6b
   step python -m bench.bench_prompt_reads --model "$ck/2.6b" --out "$out" --name prompt-reads-2.6b
+  ;;
+fuse)
+  step python -m bench.cuda_cache_fuse --out "$out"
   ;;
 *)
   echo "$usage" >&2
