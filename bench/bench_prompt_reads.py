@@ -92,9 +92,9 @@ def markdown(result: dict) -> str:
     lines = [
         markdown_line(result),
         "",
-        f"One lane, one token generated per prompt; every prompt a length not read before in the process. "
-        f"Backend plans per shape: {result['plans_per_shape']}. Medians [min-max] over {result['alternations']} turns; "
-        "ratios taken per turn.",
+        (f"One lane, one token generated per prompt; every prompt a length not read before in the process. "
+         f"Backend plans per shape: {result['plans_per_shape']}. Medians [min-max] over {result['alternations']} turns; "
+         "ratios taken per turn."),
         "",
         "| system | ms per prompt of ~{} tokens (median of {}) | s per prompt of ~{} tokens |".format(
             result["length"], result["count"], result["long"] or "-"),

@@ -9,8 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import families.lfm2.model as model
-from families.lfm2 import open_target
+from families.lfm2 import model, open_target
 from families.lfm2.model import SMALL_QUERY, STEADY_QUERY, attend, fused_attention
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
