@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from families.lfm2 import model, open_target
-from families.lfm2.model import SMALL_QUERY, STEADY_QUERY, attend, fused_attention
+from families.lfm2.model import (
+    MATMUL_SCORES,
+    SMALL_QUERY,
+    STEADY_QUERY,
+    attend,
+    fused_attention,
+)
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 
@@ -25,6 +31,12 @@ def test_where_plans_are_per_shape_only_steady_chunks_take_the_fused_kernel(plan
     assert fused_attention(1)
     assert not any(fused_attention(t) for t in (2, SMALL_QUERY, SMALL_QUERY + 1, STEADY_QUERY - 1, STEADY_QUERY + 1, 511))
     assert all(fused_attention(t) for t in (STEADY_QUERY, 2 * STEADY_QUERY, 4 * STEADY_QUERY))
+
+
+def test_a_partial_chunk_over_a_long_context_keeps_the_fused_kernel(plans):
+    assert not fused_attention(STEADY_QUERY + 1, MATMUL_SCORES)
+    assert fused_attention(STEADY_QUERY + 1, MATMUL_SCORES + 1)
+    assert not fused_attention(SMALL_QUERY, 10 * MATMUL_SCORES)  # a round's few rows: matmuls whatever the span
 
 
 def test_elsewhere_every_prompt_chunk_takes_it():

@@ -25,17 +25,21 @@ from .config import Lfm2Config
 # full chunk's shape recurs from prompt to prompt (its keys end at a chunk boundary),
 # while a prompt's last, partial chunk is a new length almost every request: on the H200
 # a new 1,000-token prompt took 101 ms to read where one of a length seen before took 31.
+# A partial chunk over a long context still takes the fused kernel: its plan is small
+# beside its work there, and the matmul path would hold all of its scores at once.
 SMALL_QUERY = 32
 STEADY_QUERY = 256
+MATMUL_SCORES = 2**27  # scores (lanes x heads x rows x keys) a partial chunk's matmuls may hold
 
 
-def fused_attention(rows: int) -> bool:
-    """Whether queries of `rows` rows per lane take the backend's fused attention kernel."""
+def fused_attention(rows: int, scores: int = 0) -> bool:
+    """Whether queries of `rows` rows per lane, `scores` attention scores in all, take
+    the backend's fused attention kernel."""
     if rows == 1:
         return True
     if rows <= SMALL_QUERY:
         return False
-    return rows % STEADY_QUERY == 0 or not plans_per_shape()
+    return rows % STEADY_QUERY == 0 or scores > MATMUL_SCORES or not plans_per_shape()
 
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
@@ -43,7 +47,7 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
     keys and values `[N, kv_heads, S, D]`, mask boolean `[N, 1, T, S]`, "causal"
     (bottom-right aligned: row j sees the first S - T + 1 + j keys) or None."""
     n, heads, t, d = q.shape
-    if fused_attention(t):
+    if fused_attention(t, n * heads * t * keys.shape[2]):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     kv_heads, s = keys.shape[1], keys.shape[2]
     if isinstance(mask, str):
