@@ -1,6 +1,7 @@
 """The embedded default: does its trained drafter get accepted, and does drafting pay?
 
     python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled] [--log FILE]
+        [--cells 6] [--repeats 1]
 
 On the held-out prompts of bench/default_prompts.json (chat questions on held-out
 dictionary and jargon entries, openings of held-out paragraphs), greedy (or, with
@@ -12,7 +13,10 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
   same width, same verification);
 - decode tok/s: plain, DSpark at the fixed trained width, DSpark priced with guards, and
   DSpark priced with guards and prompt lookup beside it (as `laneserve generate` runs
-  it), plain and drafted alternated per prompt.
+  it), plain and drafted alternated per prompt. Over all prompts, and per cell: the
+  prompts are cut into `--cells` consecutive groups (each pass over them with
+  `--repeats` its own), each engine's tok/s over a cell taken against plain's over the
+  same cell, reported as the median [min-max] of those ratios.
 
 Every drafted output is checked against the plain one. `--log FILE` writes the lane
 core's debug log (every round and guard decision), each engine's run of each prompt
@@ -90,28 +94,36 @@ def run(args) -> dict:
     samplings = [SamplingParams(**defaults, seed=1000 + i if defaults else None) for i in range(len(prompts))]
     for e in engines.values():  # warm-up
         e.generate([Request(prompts[0], 8)])
-    tokens = {name: 0 for name in engines}
-    seconds = {name: 0.0 for name in engines}
+    cells = args.cells * args.repeats
+    tokens = {name: [0] * cells for name in engines}
+    seconds = {name: [0.0] * cells for name in engines}
     accepted = {name: [] for name in engines}
     looked_up = {name: 0 for name in engines}
     exact = True
-    for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
-        plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
-        for name, e in engines.items():
-            log.debug("engine=%s prompt=%d", name, i)
-            done, spent = timed(e, prompt, args.max_tokens, sampling)
-            exact &= done.token_ids == plain.token_ids
-            tokens[name] += len(done.token_ids)
-            seconds[name] += spent
-            accepted[name] += done.draft.accepted_per_round
-            looked_up[name] += done.draft.looked_up_rounds
+    for repeat in range(args.repeats):
+        for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
+            cell = repeat * args.cells + i * args.cells // len(prompts)
+            plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
+            for name, e in engines.items():
+                log.debug("engine=%s prompt=%d", name, i)
+                done, spent = timed(e, prompt, args.max_tokens, sampling)
+                exact &= done.token_ids == plain.token_ids
+                tokens[name][cell] += len(done.token_ids)
+                seconds[name][cell] += spent
+                accepted[name] += done.draft.accepted_per_round
+                looked_up[name] += done.draft.looked_up_rounds
     sampling = {k: v for k, v in asdict(samplings[0]).items() if k != "seed"}
     result = {**record, "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype or "as stored", "prompts": len(prompts), "max_tokens": args.max_tokens,
-              "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "engines": {}}
+              "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "cells": args.cells,
+              "repeats": args.repeats, "engines": {}}
+    rate = {name: [t / s for t, s in zip(tokens[name], seconds[name])] for name in engines}
     for name in engines:
+        per_cell = [r / p for r, p in zip(rate[name], rate["plain"])]
         result["engines"][name] = {
-            "tok_s": tokens[name] / seconds[name],
-            "speedup": (tokens[name] / seconds[name]) / (tokens["plain"] / seconds["plain"]),
+            "tok_s": sum(tokens[name]) / sum(seconds[name]),
+            "speedup": (sum(tokens[name]) / sum(seconds[name])) / (sum(tokens["plain"]) / sum(seconds["plain"])),
+            "speedup_per_cell": {"median": statistics.median(per_cell), "min": min(per_cell), "max": max(per_cell), "cells": per_cell},
+            "seconds": sum(seconds[name]),
             "mean_accepted_per_drafted_round": statistics.mean(accepted[name]) if accepted[name] else 0.0,
             "drafted_rounds": len(accepted[name]),
             "looked_up_rounds": looked_up[name],
@@ -126,12 +138,16 @@ def markdown(result: dict) -> str:
         "",
         (f"{result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
         f"one stream, {result['dtype']}; verify width {result['width']}; drafted outputs equal plain: {result['exact']}."),
+        (f"Per cell: the prompts cut into {result.get('cells', 1)} groups, {result.get('repeats', 1)} pass(es), "
+         "median [min-max] of each cell's tok/s against plain's over the same cell."),
         "",
-        "| engine | tok/s | vs plain | accepted drafts per drafted round | drafted rounds | of them looked up |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| engine | tok/s | vs plain | vs plain per cell | accepted drafts per drafted round | drafted rounds | of them looked up |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in result["engines"].items():
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {r['mean_accepted_per_drafted_round']:.2f} "
+        cell = r.get("speedup_per_cell")
+        spread = f"{cell['median']:.2f}x [{cell['min']:.2f}-{cell['max']:.2f}]" if cell else "-"
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {spread} | {r['mean_accepted_per_drafted_round']:.2f} "
                      f"| {r['drafted_rounds']} | {r['looked_up_rounds']} |")
     return "\n".join(lines) + "\n"
 
@@ -148,7 +164,11 @@ def main() -> None:
                    help="weights' dtype (default: as `laneserve generate` runs them, float32 on the CPU, as stored elsewhere)")
     p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
     p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
+    p.add_argument("--cells", type=int, default=6, help="consecutive groups of prompts whose ratios give the spread")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each pass its own cells)")
     args = p.parse_args()
+    if not 1 <= args.cells <= len(json.loads(PROMPTS.read_text())["prompts"]) or args.repeats < 1:
+        p.error("--cells must be within 1..the number of prompts and --repeats at least 1")
     if args.log:
         write_lane_core_log(args.log)
     result = run(args)
