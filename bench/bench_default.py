@@ -14,9 +14,10 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
 - decode tok/s: plain, DSpark at the fixed trained width, DSpark priced with guards, and
   DSpark priced with guards and prompt lookup beside it (as `laneserve generate` runs
   it), plain and drafted alternated per prompt. Over all prompts, and per cell: the
-  prompts are cut into `--cells` consecutive groups (each pass over them with
-  `--repeats` its own), each engine's tok/s over a cell taken against plain's over the
-  same cell, reported as the median [min-max] of those ratios.
+  prompts are dealt into `--cells` cells in turn (prompt i to cell i mod cells, so each
+  holds a like mix of chat and text; each pass over them with `--repeats` its own), each
+  engine's tok/s over a cell taken against plain's over the same cell, reported as the
+  median [min-max] of those ratios.
 
 Every drafted output is checked against the plain one. `--log FILE` writes the lane
 core's debug log (every round and guard decision), each engine's run of each prompt
@@ -102,7 +103,7 @@ def run(args) -> dict:
     exact = True
     for repeat in range(args.repeats):
         for i, (prompt, sampling) in enumerate(zip(prompts, samplings)):
-            cell = repeat * args.cells + i * args.cells // len(prompts)
+            cell = repeat * args.cells + i % args.cells
             plain, _ = timed(engines["plain"], prompt, args.max_tokens, sampling)
             for name, e in engines.items():
                 log.debug("engine=%s prompt=%d", name, i)
@@ -138,7 +139,7 @@ def markdown(result: dict) -> str:
         "",
         (f"{result['prompts']} held-out prompts, {sampling}, up to {result['max_tokens']} tokens, "
         f"one stream, {result['dtype']}; verify width {result['width']}; drafted outputs equal plain: {result['exact']}."),
-        (f"Per cell: the prompts cut into {result.get('cells', 1)} groups, {result.get('repeats', 1)} pass(es), "
+        (f"Per cell: the prompts dealt into {result.get('cells', 1)} cells in turn, {result.get('repeats', 1)} pass(es), "
          "median [min-max] of each cell's tok/s against plain's over the same cell."),
         "",
         "| engine | tok/s | vs plain | vs plain per cell | accepted drafts per drafted round | drafted rounds | of them looked up |",
@@ -164,7 +165,7 @@ def main() -> None:
                    help="weights' dtype (default: as `laneserve generate` runs them, float32 on the CPU, as stored elsewhere)")
     p.add_argument("--sampled", action="store_true", help="sample at the checkpoint's generation_config.json defaults (default: greedy)")
     p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
-    p.add_argument("--cells", type=int, default=6, help="consecutive groups of prompts whose ratios give the spread")
+    p.add_argument("--cells", type=int, default=6, help="cells the prompts are dealt into in turn, whose ratios give the spread")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each pass its own cells)")
     args = p.parse_args()
     if not 1 <= args.cells <= len(json.loads(PROMPTS.read_text())["prompts"]) or args.repeats < 1:
