@@ -137,7 +137,7 @@ class _BandEvidence:
 class DraftGuard:
     """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
-    def __init__(self, budget: float = 0.03, smoothing: float = 0.1, explore_rounds: int = 3, outlier_factor: float = 4.0,
+    def __init__(self, budget: float = 0.03, smoothing: float = 0.05, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
         """`budget`: the share of a band's seconds that probes may lose; `smoothing`: the
         per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
@@ -154,6 +154,7 @@ class DraftGuard:
         if explore_rounds < 1:
             raise ValueError(f"explore_rounds must be at least 1, got {explore_rounds}")
         self._budget = budget
+        self.smoothing = smoothing
         self._keep = 1.0 - smoothing
         self._explore_rounds = explore_rounds
         if not outlier_factor > 1.0:
