@@ -33,7 +33,10 @@ Per band:
   sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
   So one lucky probe can flip the choice; the new winner's own rounds then flip it back
-  within a few rounds if the probe was luck.
+  within a few rounds if the probe was luck. The default memory is about 20 rounds: a
+  drafted round keeps anything from no draft to all of them, and with 10 a run of poor
+  ones sent the guard plain through stretches where drafting paid (replayed on the
+  default's real acceptance, `bench.guard_replay`).
 - Outliers: a round counts at most `outlier_factor` times the mean round time its
   choice has shown in the band, so one slow round (a kernel compiled or a plan built on
   the first use of a shape) cannot decide a band on its own. Probe accounting uses the
