@@ -118,11 +118,12 @@ def run(args) -> dict:
               "width": width, "sampling": sampling if defaults else "greedy", "exact": exact, "cells": args.cells,
               "repeats": args.repeats, "engines": {}}
     rate = {name: [t / s for t, s in zip(tokens[name], seconds[name])] for name in engines}
+    overall = {name: sum(tokens[name]) / sum(seconds[name]) for name in engines}
     for name in engines:
         per_cell = [r / p for r, p in zip(rate[name], rate["plain"])]
         result["engines"][name] = {
-            "tok_s": sum(tokens[name]) / sum(seconds[name]),
-            "speedup": (sum(tokens[name]) / sum(seconds[name])) / (sum(tokens["plain"]) / sum(seconds["plain"])),
+            "tok_s": overall[name],
+            "speedup": overall[name] / overall["plain"],
             "speedup_per_cell": {"median": statistics.median(per_cell), "min": min(per_cell), "max": max(per_cell), "cells": per_cell},
             "seconds": sum(seconds[name]),
             "mean_accepted_per_drafted_round": statistics.mean(accepted[name]) if accepted[name] else 0.0,
