@@ -379,3 +379,30 @@ def test_init_and_resume_are_exclusive(drafter_run, target_run, data_dir, tmp_pa
             "--data", str(data_dir), "--out", str(tmp_path / "x"), *TINY_RUN]
     assert main(args) != 0
     assert "give one of them" in capsys.readouterr().err
+
+
+def test_soft_labels_mix_in_the_targets_distribution():
+    """Share 0 is the label's cross-entropy; share 1 is -sum_v p_target(v) log p_draft(v),
+    computed here by hand in numpy; a share between mixes the two linearly."""
+    rng = np.random.default_rng(0)
+    logits, target_logits = (rng.normal(size=(2, 3, 4, 11)).astype(np.float32) for _ in range(2))
+    labels = rng.integers(0, 11, size=(2, 3, 4))
+    out = drafter.BlockOutputs(mx.array(logits), mx.array(labels), None, None, None, mx.array(target_logits), None)
+
+    def log_softmax(x):
+        return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+    hard = -np.take_along_axis(log_softmax(logits), labels[..., None], axis=-1)[..., 0]
+    soft = -(np.exp(log_softmax(target_logits)) * log_softmax(logits)).sum(-1)
+    np.testing.assert_allclose(np.array(drafter.block_cross_entropy(out)), hard, rtol=1e-5)
+    np.testing.assert_allclose(np.array(drafter.block_cross_entropy(out, 1.0)), soft, rtol=1e-5)
+    np.testing.assert_allclose(np.array(drafter.block_cross_entropy(out, 0.25)), 0.75 * hard + 0.25 * soft, rtol=1e-5)
+
+
+def test_soft_label_training_runs_and_a_share_outside_0_1_is_refused(drafter_run, target_run, data_dir, tmp_path, capsys):
+    base = ["drafter", "--init", str(drafter_run / "model"), "--target", str(target_run / "model"), "--data", str(data_dir),
+            "--anchors", "8", *TINY_RUN]
+    assert main([*base, "--out", str(tmp_path / "bad"), "--soft-labels", "1.5"]) == 2
+    assert "--soft-labels" in capsys.readouterr().err
+    assert main([*base, "--out", str(tmp_path / "soft"), "--steps", "5", "--soft-labels", "0.5"]) == 0
+    assert json.loads((tmp_path / "soft" / "model" / "training.json").read_text())["soft_labels"] == 0.5

@@ -246,6 +246,7 @@ class BlockOutputs:
     confidence_logits: mx.array  # [B, A, g] float32, before the sigmoid
     agreement: mx.array  # [B, A, g] float32: 1 - TV(p_draft, p_target), no gradient
     target_choice: mx.array  # [B, A, g]: the target's greedy token at each row
+    target_logits: mx.array  # [B, A, g, V] float32, no gradient
     features: mx.array  # [B, A, g, H + rank]: the confidence head's input, no gradient
 
 
@@ -266,7 +267,7 @@ def block_outputs(drafter: DSparkModel, target: Lfm2Model, tokens: mx.array, anc
     agreement = 1 - 0.5 * mx.abs(p_draft - mx.softmax(target_logits, axis=-1)).sum(axis=-1)
     features = mx.stop_gradient(mx.concatenate([h, markov.astype(h.dtype)], axis=-1))
     confidence_logits = drafter.confidence_head.proj(features).astype(mx.float32).squeeze(-1)
-    return BlockOutputs(logits, labels, confidence_logits, agreement, mx.argmax(target_logits, axis=-1), features)
+    return BlockOutputs(logits, labels, confidence_logits, agreement, mx.argmax(target_logits, axis=-1), target_logits, features)
 
 
 def position_weights(block: int, gamma: float) -> mx.array:
@@ -278,13 +279,26 @@ def accepted(matches: mx.array) -> mx.array:
     return mx.cumprod(matches.astype(mx.float32), axis=-1).sum(axis=-1)
 
 
-def drafter_loss(gamma: float, confidence_weight: float):
+def block_cross_entropy(out: BlockOutputs, soft_labels: float = 0.0) -> mx.array:
+    """Per row [B, A, g]: cross-entropy of the chain logits against the label token,
+    mixed with a `soft_labels` share of cross-entropy against the target's whole
+    distribution there. A row's label is one draw (or the argmax) of that distribution;
+    the distribution also says how near the runners-up are, which a greedy verify's
+    near-ties turn on."""
+    hard = nn.losses.cross_entropy(out.logits, out.labels)
+    if not soft_labels:
+        return hard
+    soft = -(mx.softmax(out.target_logits, axis=-1) * nn.log_softmax(out.logits, axis=-1)).sum(axis=-1)
+    return (1 - soft_labels) * hard + soft_labels * soft
+
+
+def drafter_loss(gamma: float, confidence_weight: float, soft_labels: float = 0.0):
     """The training loss `(drafter, target, tokens, anchors) -> (loss, (ce, conf_err, accept))`."""
 
     def loss_fn(drafter: DSparkModel, target: Lfm2Model, tokens: mx.array, anchors: mx.array):
         out = block_outputs(drafter, target, tokens, anchors)
         w = position_weights(drafter.config.block_size, gamma)
-        ce = (nn.losses.cross_entropy(out.logits, out.labels) * w).sum(axis=-1).mean() / w.sum()
+        ce = (block_cross_entropy(out, soft_labels) * w).sum(axis=-1).mean() / w.sum()
         z, y = out.confidence_logits, out.agreement
         bce = (nn.softplus(z) - y * z).mean()  # BCE(sigmoid(z), y) with a soft label y
         conf_err = mx.abs(mx.sigmoid(z) - y).mean()
@@ -342,6 +356,9 @@ def add_parser(sub) -> None:
     p.add_argument("--anchors", type=int, default=64, help="blocks per window (default 64)")
     p.add_argument("--gamma", type=float, default=4.0, help="position weight decay exp(-k/gamma) (default 4)")
     p.add_argument("--confidence-weight", type=float, default=1.0, help="weight of the confidence BCE (default 1)")
+    p.add_argument("--soft-labels", type=float, default=0.0,
+                   help="share of each row's cross-entropy taken against the target's distribution instead of the "
+                        "label token, 0..1 (default 0)")
     # Compiling this step took 90 s on an H200 to save 3 ms of 12 per step: it only pays
     # in runs of many minutes, so it is opt-in here.
     add_run_arguments(p, batch=16, lr=1e-3, warmup=100, compile=False)
@@ -362,6 +379,8 @@ def shape_from(args) -> DrafterShape:
 def run(args) -> dict:
     if args.resume and args.init:
         raise ValueError("--resume continues OUT/checkpoint; --init starts a new run from a drafter: give one of them")
+    if not 0 <= args.soft_labels <= 1:
+        raise ValueError(f"--soft-labels is a share of the cross-entropy, within 0..1, not {args.soft_labels}")
     out, target_dir = Path(args.out), Path(args.target)
     checkpoint = prepare_run_dir(out, args.resume)
     target, target_cfg = load_model(target_dir, dtype=args.dtype)
@@ -389,7 +408,7 @@ def run(args) -> dict:
     windows = held_out.fixed_windows(args.eval_windows)
     eval_anchors = held_out.anchors(np.random.default_rng(0), len(windows), args.anchors, cfg.block_size)
     opt = optimizer_settings(args)
-    loss_fn = drafter_loss(args.gamma, args.confidence_weight)
+    loss_fn = drafter_loss(args.gamma, args.confidence_weight, args.soft_labels)
     stepper = Stepper(drafter, lambda model, *batch: loss_fn(model, target, *batch), opt, args.dtype, compile=args.compile)
     loop = Run(stepper, checkpoint, config, run_settings(args), opt, args.seed, metric_names=("ce", "conf_err", "accept"))
     if args.resume:
@@ -404,7 +423,7 @@ def run(args) -> dict:
         training = {
             "target": str(target_dir), "data": str(args.data), "step": loop.progress.step, "block_rows": loop.progress.tokens,
             "trained_minutes": round(loop.progress.trained_seconds / 60, 2), "eval": result, "batch": args.batch,
-            "seq_len": args.seq_len, "anchors": args.anchors, "gamma": args.gamma, "schedule": asdict(loop.schedule),
+            "seq_len": args.seq_len, "anchors": args.anchors, "gamma": args.gamma, "soft_labels": args.soft_labels, "schedule": asdict(loop.schedule),
             "compute_dtype": args.dtype, **({"init": str(args.init)} if args.init else {}),
         }
         export_drafter(stepper.use_weights(mx.float32), config, out / "model", args.export_dtype, training)
