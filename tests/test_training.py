@@ -406,3 +406,27 @@ def test_soft_label_training_runs_and_a_share_outside_0_1_is_refused(drafter_run
     assert "--soft-labels" in capsys.readouterr().err
     assert main([*base, "--out", str(tmp_path / "soft"), "--steps", "5", "--soft-labels", "0.5"]) == 0
     assert json.loads((tmp_path / "soft" / "model" / "training.json").read_text())["soft_labels"] == 0.5
+
+
+def test_widening_the_mlp_keeps_what_the_drafter_computes(drafter_run, target_run, data_dir, tmp_path):
+    target_model, target_cfg = load_model(target_run / "model", dtype="float32")
+    config = json.loads((drafter_run / "model" / "config.json").read_text())
+    weights = dict(mx.load(str(drafter_run / "model" / "model.safetensors")))
+    wider = drafter.widen_mlp(weights, config["intermediate_size"], 2 * config["intermediate_size"], seed=0)
+    assert wider["layers.0.mlp.down_proj.weight"].shape[1] == 2 * config["intermediate_size"]
+    narrow_model = drafter.build_drafter(config, target_cfg.hidden_size, seed=0)
+    narrow_model.load_weights(list(weights.items()))
+    wide_model = drafter.build_drafter({**config, "intermediate_size": 2 * config["intermediate_size"]}, target_cfg.hidden_size, seed=0)
+    wide_model.load_weights(list(wider.items()))
+    tokens = mx.array(np.load(data_dir / "eval.npy")[:64].astype(np.int32)[None])
+    anchors = mx.array([[5, 20, 40]], dtype=mx.int32)
+    a, b = (drafter.block_outputs(m, target_model, tokens, anchors) for m in (narrow_model, wide_model))
+    np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), atol=1e-4)
+    # Trained on from there, the new units learn; a narrower width is refused.
+    base = ["drafter", "--init", str(drafter_run / "model"), "--target", str(target_run / "model"), "--data", str(data_dir),
+            "--anchors", "8", *TINY_RUN]
+    assert main([*base, "--out", str(tmp_path / "w"), "--steps", "5", "--intermediate", str(2 * config["intermediate_size"])]) == 0
+    exported = mx.load(str(tmp_path / "w" / "model" / "model.safetensors"))
+    assert json.loads((tmp_path / "w" / "model" / "config.json").read_text())["intermediate_size"] == 2 * config["intermediate_size"]
+    assert mx.abs(exported["layers.0.mlp.down_proj.weight"][:, config["intermediate_size"]:]).max().item() > 0
+    assert main([*base, "--out", str(tmp_path / "n"), "--intermediate", "8"]) == 2

@@ -328,6 +328,23 @@ def evaluate(drafter: DSparkModel, target: Lfm2Model, windows: np.ndarray, ancho
     return {k: v / len(windows) for k, v in sums.items()}
 
 
+def widen_mlp(weights: dict[str, mx.array], width: int, wider: int, seed: int, std: float = 0.02) -> dict[str, mx.array]:
+    """A drafter's weights with every MLP widened from `width` to `wider` units without
+    changing what it computes: the new units' down-projection columns start at zero (so
+    they add nothing yet), their gate and up rows at N(0, std) (so they learn)."""
+    if wider < width:
+        raise ValueError(f"--intermediate {wider} would narrow the MLP of {width} units; it only widens")
+    key = mx.random.key(seed)
+    out = dict(weights)
+    for name, w in weights.items():
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            key, sub = mx.random.split(key)
+            out[name] = mx.concatenate([w, (std * mx.random.normal((wider - width, w.shape[1]), key=sub)).astype(w.dtype)])
+        elif name.endswith("mlp.down_proj.weight"):
+            out[name] = mx.concatenate([w, mx.zeros((w.shape[0], wider - width), dtype=w.dtype)], axis=1)
+    return out
+
+
 # --- export -----------------------------------------------------------------------------
 
 
@@ -364,6 +381,8 @@ def add_parser(sub) -> None:
     add_run_arguments(p, batch=16, lr=1e-3, warmup=100, compile=False)
     p.add_argument("--init", help="start from this exported drafter directory (its config and weights; the optimizer "
                                   "and schedule start afresh): more training for a shipped drafter")
+    p.add_argument("--intermediate", type=int, help="with --init: widen its MLPs to this many units, new units silent "
+                                                    "at first (the initial drafter's outputs are unchanged)")
     p.set_defaults(run=run)
 
 
@@ -394,9 +413,15 @@ def run(args) -> dict:
         if mask is None:
             raise ValueError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
         config = drafter_config(shape_from(args), target_cfg, mask)
+    if args.intermediate and not args.init:
+        raise ValueError("--intermediate widens the MLP of an --init drafter; a new drafter takes its width from --shape")
+    initial = dict(mx.load(str(Path(args.init) / "model.safetensors"))) if args.init else {}
+    if args.intermediate:
+        initial = widen_mlp(initial, config["intermediate_size"], args.intermediate, args.seed)
+        config = {**config, "intermediate_size": args.intermediate}
     drafter = build_drafter(config, target_cfg.hidden_size, args.seed)
     if args.init:
-        drafter.load_weights(list(mx.load(str(Path(args.init) / "model.safetensors")).items()))
+        drafter.load_weights(list(initial.items()))
         drafter.set_dtype(mx.float32)  # master weights, whatever the file's dtype
         log(f"initial weights from {args.init}")
     cfg = drafter.config
