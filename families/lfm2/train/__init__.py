@@ -16,6 +16,10 @@ first steps, then kept in the checkpoint). Each invocation ends by exporting OUT
 the target as a Hugging Face LFM2 directory with its tokenizer, the drafter in
 LiquidAI's DSpark format. `generate` has the trained target write the drafter's
 training text (the drafter also trains on DATA directly, but accepts fewer drafts).
+A drafter trains on from an exported one with `--init DRAFTER` (a fresh schedule),
+optionally with its MLPs widened (`--intermediate N`, the new units silent at first)
+or with a share of its loss taken against the target's whole distribution
+(`--soft-labels S`).
 
 Sizes of the default (bfloat16 on disk): target 8.89M parameters, 17.8 MB; drafter
 3.74M, 7.5 MB; tokenizer 0.27 MB: 25.5 MB in all, under the 28 MB budget.
