@@ -50,15 +50,31 @@ DRAFTER_YIELD_WINDOWS = 256
 MIN_DRAFTER_WINDOWS = 8
 
 
-def drafter_pick(lanes: list[Lane], width: int):
+def drafter_pick(lanes: list[Lane], width: int, seen: SeenTokens):
     """The drafter's `pick(logits, k)`: each lane's own choice rule over the chain logits
-    of block row k, with the noise the target will draw with at that position, so a
-    sampled proposal tracks the target's own draw. None (argmax) when all are greedy."""
+    of block row k, as the verify will apply it at that row: the noise the target draws
+    with at that position, and the lane's repetition penalty over its tokens and the
+    drafts before row k. So a proposal tracks the target's own choice where the penalty
+    steers it off the text the drafter learnt. None (argmax) when every lane is greedy
+    without a penalty."""
     params = [lane.request.sampling for lane in lanes]
-    if all(p.greedy for p in params):
+    penalties = [p.repetition_penalty for p in params]
+    penalized = any(p != 1.0 for p in penalties)
+    if all(p.greedy for p in params) and not penalized:
         return None
     keys = [row_keys(lane.seed, p, lane.position + 1, width) for lane, p in zip(lanes, params)]
-    return lambda logits, k: choose(logits, params, [row[k] for row in keys])
+    if not penalized:
+        return lambda logits, k: choose(logits, params, [row[k] for row in keys])
+    lane_rows = mx.arange(len(lanes))
+    seen_by_row = seen.rows(lanes)  # what row k sees: the lanes' tokens, then drafts 1..k
+
+    def pick(logits: mx.array, k: int) -> mx.array:
+        nonlocal seen_by_row
+        chosen = choose(penalize(logits, seen_by_row, penalties), params, [row[k] for row in keys])
+        seen_by_row = mark(seen_by_row, lane_rows, chosen)
+        return chosen
+
+    return pick
 
 
 @dataclass
@@ -377,7 +393,7 @@ class RoundRunner:
         self.fold_pending(asked, launch=False)  # launched with the proposal that reads it
         # Verification compares tokens only: the chain's float32 logits are never read.
         proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
-                                        drafter_pick(asked, g), chain_logits=False)
+                                        drafter_pick(asked, g, self.seen), chain_logits=False)
         (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays()])
         self._draft_seconds = self.clock() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}

@@ -133,3 +133,32 @@ def test_the_repetition_penalty_matches_a_host_reference(dense_dir, tmp_path):
     # Every round at width 6 drafts but a lane's last; random drafts are nearly always
     # rejected, so no floor on accepts: what is checked is each verify row's penalty.
     assert_drafted(done, fewest_drafted_rounds(references, 6), 0)
+
+
+def _lane(sampling: SamplingParams, prompt: list[int], generated: list[int]):
+    from lanes.detokenize import IncrementalDetokenizer
+    from lanes.lane import Lane, Request
+
+    lane = Lane(Request(prompt, 16, sampling=sampling), frozenset(), 100, IncrementalDetokenizer(lambda ids: ""))
+    lane.generated = list(generated)
+    return lane
+
+
+def test_the_drafters_pick_penalises_what_each_verify_row_will_have_seen():
+    """Row k of a proposal is picked with the lane's repetition penalty over its tokens
+    and the drafts before row k, as the verify's row k will choose; without a penalty
+    greedy lanes keep the plain argmax (no pick at all)."""
+    from lanes.penalty import SeenTokens
+    from lanes.round import drafter_pick
+
+    seen = SeenTokens(8)
+    logits = mx.array([[0.0, 1.0, 2.0, 3.0, 2.5, 0.5, 0.0, 0.0]])
+    penalised = _lane(SamplingParams(temperature=0, repetition_penalty=4.0), [1, 2], [3])
+    pick = drafter_pick([penalised], 3, seen)
+    # Seen 1, 2, 3 fall to 0.25, 0.5, 0.75: row 0 takes 4 (2.5). Row 1 has seen draft 4
+    # too (0.625), so it takes 3 (0.75), and row 2 likewise.
+    assert [pick(logits, k).tolist() for k in range(3)] == [[4], [3], [3]]
+    assert drafter_pick([_lane(SamplingParams(temperature=0), [1, 2], [3])], 3, seen) is None
+    unpenalised = drafter_pick([_lane(SamplingParams(temperature=0.5, seed=3), [1, 2], [3]), penalised], 3, seen)
+    both = mx.concatenate([logits, logits])
+    assert unpenalised(both, 0).tolist()[1] == 4  # the penalised lane still penalised beside a sampled one
