@@ -430,3 +430,41 @@ def test_widening_the_mlp_keeps_what_the_drafter_computes(drafter_run, target_ru
     assert json.loads((tmp_path / "w" / "model" / "config.json").read_text())["intermediate_size"] == 2 * config["intermediate_size"]
     assert mx.abs(exported["layers.0.mlp.down_proj.weight"][:, config["intermediate_size"]:]).max().item() > 0
     assert main([*base, "--out", str(tmp_path / "n"), "--intermediate", "8"]) == 2
+
+
+def test_generated_rows_with_a_penalty_are_what_the_engine_writes(target_run, data_dir, tmp_path):
+    """Greedy with a repetition penalty, the trainer's batched writing (its own penalty
+    over each row's prompt and tokens) gives the lane core's tokens for the same prompt
+    and settings (an independent implementation)."""
+    from families.lfm2.checkpoint import open_target
+    from lanes.engine import Engine, EngineConfig
+    from lanes.lane import Request
+    from lanes.sampling import SamplingParams
+
+    out = tmp_path / "penalised"
+    args = ["generate", "--target", str(target_run / "model"), "--data", str(data_dir), "--out", str(out), "--sequences", "4",
+            "--eval-sequences", "4", "--batch", "4", "--prompt-tokens", "12", "--new-tokens", "10", "--temperatures", "0",
+            "--dtype", "float32", "--repetition-penalty", "1.5"]
+    assert main(args) == 0
+    assert json.loads((out / "generated.json").read_text())["repetition_penalty"] == 1.5
+    loaded = open_target(target_run / "model", dtype="float32", max_lanes=1)
+    engine = Engine(loaded.target, loaded.tokenizer, frozenset(), None, EngineConfig(max_streams=1))
+    rows = np.load(out / "train.npy").astype(np.int32)
+    unpenalised = 0
+    for row in rows:
+        (done,) = engine.generate([Request(row[:12].tolist(), 10, sampling=SamplingParams(temperature=0, repetition_penalty=1.5))])
+        assert done.token_ids == row[12:].tolist()
+        (plain,) = engine.generate([Request(row[:12].tolist(), 10)])
+        unpenalised += plain.token_ids != row[12:].tolist()
+    assert unpenalised  # the penalty changed what was written
+    assert main([*args[:-2], "--out", str(tmp_path / "bad"), "--repetition-penalty", "0"]) == 2
+
+
+def test_the_writers_min_p_keeps_only_tokens_near_the_best():
+    logits = mx.array([[2.0, 1.9, 0.0, -1.0]] * 256)  # p(1)/p(0) = 0.90, p(2)/p(0) = 0.14
+    seen = mx.zeros(logits.shape, dtype=mx.bool_)
+    mx.random.seed(0)
+    drawn = np.array(generate.pick(logits, seen, generate.Decoding(1.0, min_p=0.5)))
+    assert set(drawn.tolist()) == {0, 1}
+    # A penalty of 4 on token 0 (2.0 -> 0.5) leaves token 1 the best, and 0 below half of it.
+    assert set(np.array(generate.pick(logits, seen.at[:, 0].maximum(mx.array(True)), generate.Decoding(1.0, 4.0, 0.5))).tolist()) == {1}

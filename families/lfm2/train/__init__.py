@@ -15,7 +15,8 @@ and decays over --steps, or over as many steps as fit in the budget (measured on
 first steps, then kept in the checkpoint). Each invocation ends by exporting OUT/model:
 the target as a Hugging Face LFM2 directory with its tokenizer, the drafter in
 LiquidAI's DSpark format. `generate` has the trained target write the drafter's
-training text (the drafter also trains on DATA directly, but accepts fewer drafts).
+training text (the drafter also trains on DATA directly, but accepts fewer drafts),
+with `--repetition-penalty` and `--min-p` as a checkpoint's sampling defaults write it.
 A drafter trains on from an exported one with `--init DRAFTER` (a fresh schedule),
 optionally with its MLPs widened (`--intermediate N`, the new units silent at first)
 or with a share of its loss taken against the target's whole distribution
