@@ -464,7 +464,7 @@ def test_the_writers_min_p_keeps_only_tokens_near_the_best():
     logits = mx.array([[2.0, 1.9, 0.0, -1.0]] * 256)  # p(1)/p(0) = 0.90, p(2)/p(0) = 0.14
     seen = mx.zeros(logits.shape, dtype=mx.bool_)
     mx.random.seed(0)
-    drawn = np.array(generate.pick(logits, seen, generate.Decoding(1.0, min_p=0.5)))
+    drawn = np.array(generate.pick(logits, None, generate.Decoding(1.0, min_p=0.5)))
     assert set(drawn.tolist()) == {0, 1}
     # A penalty of 4 on token 0 (2.0 -> 0.5) leaves token 1 the best, and 0 below half of it.
     assert set(np.array(generate.pick(logits, seen.at[:, 0].maximum(mx.array(True)), generate.Decoding(1.0, 4.0, 0.5))).tolist()) == {1}

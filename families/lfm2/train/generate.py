@@ -89,10 +89,11 @@ class Decoding:
     min_p: float = 0.0
 
 
-def pick(logits: mx.array, seen: mx.array, decoding: Decoding) -> mx.array:
-    """One token per row of `logits` [B, V]; `seen` [B, V] marks each row's tokens so far."""
+def pick(logits: mx.array, seen: mx.array | None, decoding: Decoding) -> mx.array:
+    """One token per row of `logits` [B, V]; `seen` [B, V] marks each row's tokens so far
+    (None without a penalty)."""
     x = logits.astype(mx.float32)
-    if decoding.repetition_penalty != 1.0:
+    if seen is not None:
         p = decoding.repetition_penalty
         x = mx.where(seen, mx.where(x > 0, x / p, x * p), x)
     if decoding.temperature == 0:
@@ -107,19 +108,19 @@ def pick(logits: mx.array, seen: mx.array, decoding: Decoding) -> mx.array:
 def continue_prompts(target: Lfm2Target, prompts: np.ndarray, new_tokens: int, decoding: Decoding) -> np.ndarray:
     """Each prompt row [B, P] followed by `new_tokens` of the target's own: [B, P + new]."""
     lanes = [target.open_lane() for _ in range(len(prompts))]
-    rows = mx.arange(len(prompts))[:, None]
-    seen = mx.zeros((len(prompts), target.vocab_size), dtype=mx.bool_)
+    rows, seen = mx.arange(len(prompts)), None
     if decoding.repetition_penalty != 1.0:
-        seen = seen.at[rows, mx.array(prompts.astype(np.int32))].maximum(mx.array(True))
+        seen = mx.zeros((len(prompts), target.vocab_size), dtype=mx.bool_)
+        seen = seen.at[rows[:, None], mx.array(prompts.astype(np.int32))].maximum(mx.array(True))
     try:
         out = target.forward(lanes, prompts.tolist(), logits="last")
         target.commit(out, [prompts.shape[1]] * len(lanes))
         produced = []
         for step in range(new_tokens):
             chosen = pick(out.logits, seen, decoding)
-            if decoding.repetition_penalty != 1.0:
-                seen = seen.at[rows[:, 0], chosen].maximum(mx.array(True))
-            mx.eval(chosen, seen, *target.state_arrays())
+            if seen is not None:
+                seen = seen.at[rows, chosen].maximum(mx.array(True))
+            mx.eval(chosen, *([seen] if seen is not None else []), *target.state_arrays())
             produced.append(chosen.tolist())
             if step + 1 < new_tokens:
                 out = target.forward(lanes, [[t] for t in produced[-1]], logits="last")
