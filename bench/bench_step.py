@@ -153,6 +153,8 @@ class System:
             last.append(mx.argmax(logits))
             if drafter:
                 drafter.append([self.dslots[i]], [rows], [prompt])
+        # Read now, so that the prompts' graphs stay out of the first step's op count.
+        mx.eval(last, target.state_arrays(), drafter.state_arrays() if drafter else [])
         builds = {"plain": PlainSteps(target, self.slots, mx.stack(last).astype(mx.int32), self.taps)}
         if drafter:
             width = len(self.taps) * target.config.hidden_size

@@ -230,7 +230,7 @@ def drafter_run(target_run, data_dir, tmp_path_factory):
 
 def drafter_eval(model, target_model, data_dir) -> dict:
     windows = loop.eval_windows(np.load(data_dir / "eval.npy"), 64, 16)
-    anchors = drafter.sample_anchors(np.random.default_rng(0), len(windows), 64, 8, model.config.block_size)
+    anchors = drafter.sample_anchors(np.random.default_rng(0), np.ones(len(windows), int), 64, 8, model.config.block_size)
     return drafter.evaluate(model, target_model, windows, anchors, 8, gamma=4.0)
 
 
@@ -300,8 +300,8 @@ def test_generated_rows_are_the_targets_greedy_continuations(target_run, data_di
         assert (greedy[11:] == row[12:]).all()  # every generated token is the argmax after its prefix
     # The drafter anchors its blocks in the generated part only, and trains on it.
     data = drafter.DrafterData(out, "train", seq_len=999)
-    anchors = data.anchors(np.random.default_rng(0), 4, 2, block=4)
-    assert data.length == 18 and anchors.min() >= 12 and anchors.max() <= 18 - 4 - 1
+    windows, anchors = data.sample(np.random.default_rng(0), 4, 2, block=4)
+    assert windows.shape == (4, 18) and anchors.min() >= 12 and anchors.max() <= 18 - 4 - 1
     run = ["drafter", "--shape", "tiny", "--target", str(target_run / "model"), "--data", str(out), "--out", str(tmp_path / "d"),
            "--steps", "3", "--anchors", "2", "--batch", "4", "--eval-windows", "4", "--warmup", "1"]
     assert main(run) == 0 and (tmp_path / "d" / "model" / "model.safetensors").exists()
@@ -315,11 +315,58 @@ def test_even_sources_draw_every_plain_source_alike(tmp_path):
     spans = generate.source_spans(tmp_path, "train", length=16)
     assert spans == [(0, 5000), (5300, 5500), (5500, 5620)]
     prompts = generate.Prompts(tokens, header=[999], length=16, chat_share=0.5, spans=spans)  # no reply starts: no chats
-    windows = prompts.draw(np.random.default_rng(0), 600)
+    windows = np.stack(prompts.draw(np.random.default_rng(0), 600))
     source = windows // 100
     assert windows.shape == (600, 16) and (source == source[:, :1]).all()  # each window inside one source
     counts = np.bincount(source[:, 0], minlength=4)
     assert counts[1] == 0 and all(150 < c < 250 for c in counts[[0, 2, 3]]), counts
+
+
+def test_served_prompts_open_a_document_or_a_paragraph_as_a_user_sends_them():
+    # Ids: 1 opens a document, 2 closes one, 5 ends a line, 6 ends a paragraph; 7 opens a chat turn, 7 8 the assistant's.
+    line_ends = np.zeros(64, np.int8)
+    line_ends[5], line_ends[6] = 1, 2
+    chat = [1, 7, 9, 20, 21, 7, 8]  # a chat example up to its reply
+    tokens = np.array([*chat, 22, 23, 2,
+                       1, 30, 31, 32, 33, 6, 40, 41, 42, 43, 44, 5, 5, 50, 51, 52, 53, 54, 2,  # paragraphs at 30, 40, 50
+                       1, 60, 61, 2], dtype=np.uint16)  # too short to open a served prompt
+    prompts = generate.Prompts(tokens, header=[7, 8], length=12, chat_share=0.5, served_share=1.0, start=1, ends=(2,),
+                               line_ends=line_ends)
+    assert prompts.chats.tolist() == [[0, 7]] and [o.tolist() for o in prompts.openings] == [[11, 16, 23]]
+    drawn = prompts.draw(np.random.default_rng(0), 200)
+    chats = [p.tolist() for p in drawn if p.tolist() == chat]
+    openings = [p.tolist() for p in drawn if p.tolist() != chat]
+    assert 60 < len(chats) < 140 and len(chats) + len(openings) == 200
+    for p in openings:  # the start token, then 4-11 tokens of one paragraph's document, never past its end
+        assert p[0] == 1 and p[1] in (30, 40, 50) and 5 <= len(p) <= 12 and 2 not in p and 1 not in p[1:]
+    assert {p[1] for p in openings} == {30, 40, 50} and max(map(len, openings)) == 12
+    assert max(len(p) for p in openings if p[1] == 50) == 6  # its document ends after 5 tokens
+    with pytest.raises(ValueError, match="start"):
+        generate.Prompts(tokens, header=[7, 8], length=12, chat_share=0.5, served_share=0.5)
+
+
+def test_served_rows_continue_prompts_of_every_length_to_one_row_length(target_run, data_dir, tmp_path):
+    out = tmp_path / "served"
+    args = ["generate", "--target", str(target_run / "model"), "--data", str(data_dir), "--out", str(out), "--sequences", "8",
+            "--eval-sequences", "4", "--batch", "8", "--prompt-tokens", "24", "--new-tokens", "8", "--temperatures", "0",
+            "--dtype", "float32", "--served-share", "1", "--chat-share", "0.5"]
+    assert main(args) == 0
+    rows, sizes = np.load(out / "train.npy").astype(np.int32), np.load(out / "train_prompts.npy")
+    assert rows.shape == (8, 32) and sizes.shape == (8,) and (sizes <= 24).all() and len(set(sizes.tolist())) > 1
+    assert (rows[:, 0] == 1).all()  # every prompt opens with the start token, as serving reads it
+    model, _ = load_model(target_run / "model", dtype="float32")
+    for row, size in zip(rows, sizes):
+        h, _ = model(mx.array(row[None, :-1]))
+        greedy = np.array(mx.argmax(model.head(h), axis=-1))[0]
+        assert (greedy[size - 1 :] == row[size:]).all()  # after its own prompt, the target's greedy tokens
+    data = drafter.DrafterData(out, "train", seq_len=999)
+    windows, anchors = data.sample(np.random.default_rng(0), 64, 2, block=4)
+    lows = np.array([sizes[np.flatnonzero((rows == w).all(axis=1))[0]] for w in windows])
+    assert (anchors.min(axis=1) >= lows).all() and (anchors.min(axis=1) == lows).any()
+    run = ["drafter", "--shape", "tiny", "--target", str(target_run / "model"), "--data", str(out), "--out", str(tmp_path / "d"),
+           "--steps", "2", "--anchors", "2", "--batch", "4", "--eval-windows", "4", "--warmup", "1"]
+    assert main(run) == 0
+    assert main([*args[:-4], "--out", str(tmp_path / "bad"), "--served-share", "1.5"]) == 2
 
 
 # --- the confidence refit ---------------------------------------------------------------

@@ -93,8 +93,7 @@ def run(args) -> dict:
     parts = {}
     for part, count in (("train", args.windows), ("eval", args.eval_windows)):
         source = DrafterData(data, part, seq_len=0)
-        windows = source.fixed_windows(count)
-        anchors = source.anchors(np.random.default_rng(0), len(windows), args.anchors, block)
+        windows, anchors = source.fixed(count, args.anchors, block)
         parts[part] = survival_examples(drafter, target, windows, anchors, args.batch)
         log(f"{part}: {parts[part][0].shape[0]} judged rows from {len(windows)} windows")
     head = drafter.confidence_head.proj

@@ -145,41 +145,48 @@ def init_weights(model: DSparkModel, std: float = 0.02) -> None:
 class DrafterData:
     """Where a part's windows come from: the corpus step's flat array (random windows,
     anchors anywhere) or the generate step's rows (one window per row, anchors only in
-    the target's own continuation, the prompt as context)."""
+    the target's own continuation, each row's prompt as context)."""
 
     def __init__(self, data: Path, part: str, seq_len: int):
         tokens = load_tokens(data, part)
         if tokens.ndim == 2:
-            self.rows, self.tokens = tokens, None
-            self.length, self.first_anchor = tokens.shape[1], json.loads((data / META).read_text())["prompt_tokens"]
+            self.rows, self.tokens, self.length = tokens, None, tokens.shape[1]
+            sizes = data / f"{part}_prompts.npy"  # rows written before prompts varied have none
+            self.first_anchors = np.load(sizes) if sizes.exists() else np.full(len(tokens), json.loads((data / META).read_text())["prompt_tokens"])
         else:
-            self.rows, self.tokens = None, tokens
-            self.length, self.first_anchor = seq_len, 1
+            self.rows, self.tokens, self.length = None, tokens, seq_len
 
-    def windows(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        if self.rows is not None:
-            return self.rows[rng.integers(0, len(self.rows), size=count)].astype(np.int32)
-        return random_windows(self.tokens, rng, count, self.length)
+    def prompts(self) -> str:
+        """The rows' prompt lengths, for the log."""
+        low, high = int(self.first_anchors.min()), int(self.first_anchors.max())
+        return f"{low}-token prompts" if low == high else f"prompts of {low}-{high} tokens"
 
-    def fixed_windows(self, count: int) -> np.ndarray:
-        if self.rows is not None:
-            return self.rows[:count].astype(np.int32)
-        return eval_windows(self.tokens, self.length, count)
+    def sample(self, rng: np.random.Generator, count: int, anchors: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """`count` random windows [count, length] and `anchors` block anchors in each."""
+        if self.rows is None:
+            return random_windows(self.tokens, rng, count, self.length), sample_anchors(rng, np.ones(count, int), self.length, anchors, block)
+        index = rng.integers(0, len(self.rows), size=count)
+        return self.rows[index].astype(np.int32), sample_anchors(rng, self.first_anchors[index], self.length, anchors, block)
 
-    def anchors(self, rng: np.random.Generator, batch: int, count: int, block: int) -> np.ndarray:
-        return sample_anchors(rng, batch, self.length, count, block, low=self.first_anchor)
+    def fixed(self, count: int, anchors: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same windows and anchors on every call (for evaluation)."""
+        rng = np.random.default_rng(0)
+        if self.rows is None:
+            windows = eval_windows(self.tokens, self.length, count)
+            return windows, sample_anchors(rng, np.ones(len(windows), int), self.length, anchors, block)
+        return self.rows[:count].astype(np.int32), sample_anchors(rng, self.first_anchors[:count], self.length, anchors, block)
 
 
 # --- the batched training forward -------------------------------------------------------
 
 
-def sample_anchors(rng: np.random.Generator, batch: int, length: int, count: int, block: int, low: int = 1) -> np.ndarray:
-    """[batch, count] sorted distinct anchors per window, from `low` (at least 1: serving
-    always has a prompt before the anchor) to where the g labels still fit."""
+def sample_anchors(rng: np.random.Generator, lows: np.ndarray, length: int, count: int, block: int) -> np.ndarray:
+    """[len(lows), count] sorted distinct anchors per window, from its `lows[i]` (at least
+    1: serving always has a prompt before the anchor) to where the g labels still fit."""
     high = length - block - 1
-    if high - low + 1 < count:
-        raise ValueError(f"a window of {length} tokens has fewer than {count} anchors for blocks of {block}")
-    return np.sort(np.stack([rng.choice(np.arange(low, high + 1), size=count, replace=False) for _ in range(batch)]), axis=1).astype(np.int32)
+    if high - int(np.max(lows)) + 1 < count:
+        raise ValueError(f"a window of {length} tokens with a {int(np.max(lows))}-token prompt has fewer than {count} anchors for blocks of {block}")
+    return np.sort(np.stack([rng.choice(np.arange(low, high + 1), size=count, replace=False) for low in lows]), axis=1).astype(np.int32)
 
 
 def block_mask(anchors: mx.array, length: int, block: int) -> mx.array:
@@ -429,9 +436,8 @@ def run(args) -> dict:
         f"taps {list(cfg.target_layer_ids)} of {target_cfg.num_layers}, markov rank {cfg.markov_rank}")
     train, held_out = DrafterData(Path(args.data), "train", args.seq_len), DrafterData(Path(args.data), "eval", args.seq_len)
     if train.rows is not None:
-        log(f"data: {len(train.rows)} generated rows of {train.length} tokens, anchors after the {train.first_anchor}-token prompts")
-    windows = held_out.fixed_windows(args.eval_windows)
-    eval_anchors = held_out.anchors(np.random.default_rng(0), len(windows), args.anchors, cfg.block_size)
+        log(f"data: {len(train.rows)} generated rows of {train.length} tokens, anchors after {train.prompts()}")
+    windows, eval_anchors = held_out.fixed(args.eval_windows, args.anchors, cfg.block_size)
     opt = optimizer_settings(args)
     loss_fn = drafter_loss(args.gamma, args.confidence_weight, args.soft_labels)
     stepper = Stepper(drafter, lambda model, *batch: loss_fn(model, target, *batch), opt, args.dtype, compile=args.compile)
@@ -440,8 +446,7 @@ def run(args) -> dict:
         loop.resume()
 
     def next_batch(rng):
-        tokens = train.windows(rng, args.batch)
-        anchors = train.anchors(rng, args.batch, args.anchors, cfg.block_size)
+        tokens, anchors = train.sample(rng, args.batch, args.anchors, cfg.block_size)
         return (mx.array(tokens), mx.array(anchors)), args.batch * args.anchors * cfg.block_size
 
     def export(result: dict):
