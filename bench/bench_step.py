@@ -9,7 +9,9 @@ lane has read a random prompt of `--context` tokens:
   argmax, the taps a drafter reads, argmax, commit; pipelined as the engine runs plain
   rounds (each step launched before the one before it is read);
 - drafting round: one committed row per lane appended to the drafter's context, then a
-  proposal of the drafter's width per lane, evaluated with the context it wrote;
+  greedy proposal of the drafter's width per lane as the engine asks for one (no chain
+  logits), evaluated with the context it wrote; with `--chain-ops` also the same round
+  with the chain as MLX operations (`draft-ops`) where it otherwise runs as one kernel;
 - peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
   the same number of sequences, on the same checkpoint, in the same process.
 
@@ -83,7 +85,7 @@ class DraftRounds:
     def build(self) -> list[mx.array]:
         n = len(self.slots)
         self.drafter.append(self.slots, [self.row] * n, [[0]] * n)
-        proposal = self.drafter.propose(self.slots, self.anchors, self.drafter.width)
+        proposal = self.drafter.propose(self.slots, self.anchors, self.drafter.width, chain_logits=False)
         for slot in self.slots:
             slot.length -= 1  # the context stays where it was: every round costs the same
         return [*proposal.arrays(), *self.drafter.state_arrays()]
@@ -136,36 +138,42 @@ class System:
         drafter_module = importlib.import_module(f"{pkg}.lfm2.drafter")
         self.name = pkg
         self.target = lfm2.open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes)).target
-        self.drafter = None
+        self.drafters = {}
         if args.drafter:
-            self.drafter = drafter_module.load_drafter(args.drafter, self.target.model, self.target.config, dtype=args.dtype,
-                                                       max_lanes=max(args.lanes))
-        self.taps = self.drafter.tap_layers if self.drafter else ()
+            def load():
+                return drafter_module.load_drafter(args.drafter, self.target.model, self.target.config, dtype=args.dtype,
+                                                   max_lanes=max(args.lanes))
+            self.drafters["draft"] = load()
+            if args.chain_ops and getattr(self.drafters["draft"], "fused_chain", None) is not None:
+                self.drafters["draft-ops"] = load()
+                self.drafters["draft-ops"].fused_chain = None  # before its first proposal is traced
+        self.taps = self.drafters["draft"].tap_layers if self.drafters else ()
 
     def open(self, prompts: list[list[int]]) -> dict:
         """Lanes that have read `prompts`; their plain step and drafting round."""
-        target, drafter = self.target, self.drafter
+        target = self.target
         self.slots = [target.open_lane() for _ in prompts]
-        self.dslots = [drafter.open_lane() for _ in prompts] if drafter else []
+        self.dslots = {name: [drafter.open_lane() for _ in prompts] for name, drafter in self.drafters.items()}
         last = []
         for i, (slot, prompt) in enumerate(zip(self.slots, prompts)):
             logits, rows = target.prefill(slot, prompt, chunk=512, taps=self.taps)
             last.append(mx.argmax(logits))
-            if drafter:
-                drafter.append([self.dslots[i]], [rows], [prompt])
+            for name, drafter in self.drafters.items():
+                drafter.append([self.dslots[name][i]], [rows], [prompt])
         # Read now, so that the prompts' graphs stay out of the first step's op count.
-        mx.eval(last, target.state_arrays(), drafter.state_arrays() if drafter else [])
+        mx.eval(last, target.state_arrays(), [d.state_arrays() for d in self.drafters.values()])
         builds = {"plain": PlainSteps(target, self.slots, mx.stack(last).astype(mx.int32), self.taps)}
-        if drafter:
-            width = len(self.taps) * target.config.hidden_size
-            builds["draft"] = DraftRounds(drafter, self.dslots, [p[-1] for p in prompts], width, drafter.dtype)
+        width = len(self.taps) * target.config.hidden_size
+        for name, drafter in self.drafters.items():
+            builds[name] = DraftRounds(drafter, self.dslots[name], [p[-1] for p in prompts], width, drafter.dtype)
         return builds
 
     def close(self) -> None:
         for slot in self.slots:
             self.target.close_lane(slot)
-        for slot in self.dslots:
-            self.drafter.close_lane(slot)
+        for name, slots in self.dslots.items():
+            for slot in slots:
+                self.drafters[name].close_lane(slot)
 
 
 def run(args, saved=lambda result: None) -> dict:
@@ -265,6 +273,9 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="also time mlx-lm's BatchGenerator (needs mlx-lm)")
     p.add_argument("--families", type=lambda s: s.split(","), default=["families"],
                    help="families packages to compare, by import name (default: families)")
+    p.add_argument("--chain-ops", action="store_true",
+                   help="also time the drafting round with its greedy chain as MLX operations (draft-ops), where it "
+                        "otherwise runs as one kernel (CUDA)")
     p.add_argument("--reserve", type=int, default=0, help="also time one lane with the KV pools grown to this many positions")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="step")

@@ -20,6 +20,7 @@ from ..cache import (
     stacked_rows,
 )
 from ..model import Lfm2Model, serve_small_linears_by_rows
+from .chain import FusedGreedyChain, cuda_chain_available
 from .model import DSparkModel
 
 # Proposals round their key span up to this many rows (see RaggedLayout).
@@ -116,7 +117,9 @@ class DSparkDrafter:
         """`compiled`: context appends and proposals run as compiled functions, one trace
         per shape (see target.py). `by_rows`: small weights times a few rows as
         matrix-vector products (see families.lfm2.model.row_products); None: where the
-        backend plans per shape (CUDA)."""
+        backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as one
+        kernel (`chain.FusedGreedyChain`, where the Markov head is unquantized; set
+        `fused_chain` to None before the first proposal to run it as operations)."""
         self.model = model
         self.config = model.config
         self.embed = target_model.embed_tokens  # borrowed: embeds the block and is the head
@@ -131,6 +134,9 @@ class DSparkDrafter:
             layer.mlp.merge_projections()
         if plans_per_shape() if by_rows is None else by_rows:
             serve_small_linears_by_rows(model)
+        markov = model.markov_head
+        serves = cuda_chain_available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
+        self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
         self._contexts = Traces(lambda rows: self._context_keys_values)
@@ -304,23 +310,27 @@ class DSparkDrafter:
         cfg, g = self.config, h.shape[1]
         markov = self.model.markov_head
         base = self.tied_logits(h)  # U_k: row k proposes x_{k+1}
-        prev = anchors
-        tokens, logits, prev_rows = [], [], []
-        for k in range(g):
-            # Ids from a faulty pick are clipped for the lookup only; the raw ids are
-            # returned so the fault is reported, never read out of bounds. An argmax (and
-            # the anchor, the target's own token) is always in range.
-            e = markov.markov_w1(prev if pick is None or k == 0 else mx.clip(prev, 0, cfg.vocab_size - 1))
-            l_k = base[:, k].astype(mx.float32) + markov.markov_w2(e).astype(mx.float32)
-            prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
-            tokens.append(prev)
-            logits.append(l_k)
-            prev_rows.append(e)
-        tokens_arr = mx.stack(tokens, axis=1)
-        logits_arr = mx.stack(logits, axis=1) if keep_logits else None
+        if pick is None and not keep_logits and self.fused_chain is not None:
+            tokens_arr, logits_arr = self.fused_chain(base, anchors), None
+            prev_rows = markov.markov_w1(mx.concatenate([anchors[:, None], tokens_arr[:, :-1]], axis=1))
+        else:
+            prev = anchors
+            tokens, logits, rows = [], [], []
+            for k in range(g):
+                # Ids from a faulty pick are clipped for the lookup only; the raw ids are
+                # returned so the fault is reported, never read out of bounds. An argmax (and
+                # the anchor, the target's own token) is always in range.
+                e = markov.markov_w1(prev if pick is None or k == 0 else mx.clip(prev, 0, cfg.vocab_size - 1))
+                l_k = base[:, k].astype(mx.float32) + markov.markov_w2(e).astype(mx.float32)
+                prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
+                tokens.append(prev)
+                logits.append(l_k)
+                rows.append(e)
+            tokens_arr, prev_rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+            logits_arr = mx.stack(logits, axis=1) if keep_logits else None
         confidences = None
         if cfg.enable_confidence_head:
-            features = mx.concatenate([h, mx.stack(prev_rows, axis=1).astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
+            features = mx.concatenate([h, prev_rows.astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
             confidences = self.model.confidence_head(features)
         faults = draft_faults(tokens_arr, confidences, logits_arr if keep_logits else h, cfg.vocab_size)
         if confidences is None:  # a traced function returns arrays only
