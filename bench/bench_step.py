@@ -61,11 +61,15 @@ class PlainSteps:
     def __init__(self, target, slots, first_tokens: mx.array, taps):
         self.target, self.slots, self.tokens, self.taps = target, slots, first_tokens, taps
         self.landing = None
+        self.start = [slot.length for slot in slots]
 
     def build(self) -> list[mx.array]:
         out = self.target.forward(self.slots, self.tokens, taps=self.taps, key_bucket=256 if len(self.slots) > 1 else 1)
         self.tokens = mx.argmax(out.logits, axis=-1)
         self.target.commit(out, [1] * len(self.slots))
+        if max(slot.length for slot in self.slots) + 1 >= self.target.context_limit:
+            for slot, start in zip(self.slots, self.start):  # back to the prompt: steps go on at its context
+                slot.length = start
         return [self.tokens, *([out.taps] if out.taps is not None else []), *self.target.state_arrays()]
 
     def pipelined(self) -> None:
