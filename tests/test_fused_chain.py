@@ -41,6 +41,13 @@ def test_kernel_picks_what_the_operations_pick(on_gpu, lanes, width, vocab, rank
     np.testing.assert_array_equal(np.array(fused), np.array(chain_as_operations(base, anchors, w1, w2)))
 
 
+def test_only_small_plain_heads_are_fused():
+    assert FusedGreedyChain.serves(nn.Embedding(4096, 64), nn.Linear(64, 4096, bias=False))
+    assert not FusedGreedyChain.serves(nn.Embedding(65536, 256), nn.Linear(256, 65536, bias=False))
+    quantized = nn.QuantizedLinear(64, 4096, bias=False, group_size=64, bits=8)
+    assert not FusedGreedyChain.serves(nn.Embedding(4096, 64), quantized)
+
+
 def test_a_greedy_proposal_is_the_same_with_the_kernel(on_gpu, dense_dir, drafter_dir):
     model, cfg = load_model(dense_dir, dtype="float32")
     runner = Lfm2Target(model, cfg, max_lanes=3)
