@@ -1,5 +1,5 @@
-"""The greedy Markov chain as one CUDA kernel equals the chain as MLX operations (float32).
-Runs only where MLX has its CUDA backend."""
+"""The greedy Markov chain as one CUDA kernel equals the chain as MLX operations (float32);
+the kernel tests run only where MLX has its CUDA backend."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from families.lfm2.drafter.chain import FusedGreedyChain
 from families.lfm2.loader import load_model
 from families.lfm2.target import Lfm2Target
 
-pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def chain_as_operations(base, anchors, w1, w2):
     return mx.stack(tokens, axis=1)
 
 
+@needs_cuda
 @pytest.mark.parametrize("lanes,width,vocab,rank", [(1, 9, 4096, 64), (5, 4, 1000, 16), (16, 8, 300, 8)])
 def test_kernel_picks_what_the_operations_pick(on_gpu, lanes, width, vocab, rank):
     mx.random.seed(lanes)
@@ -48,6 +49,7 @@ def test_only_small_plain_heads_are_fused():
     assert not FusedGreedyChain.serves(nn.Embedding(4096, 64), quantized)
 
 
+@needs_cuda
 def test_a_greedy_proposal_is_the_same_with_the_kernel(on_gpu, dense_dir, drafter_dir):
     model, cfg = load_model(dense_dir, dtype="float32")
     runner = Lfm2Target(model, cfg, max_lanes=3)
