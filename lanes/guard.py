@@ -15,14 +15,24 @@ Per band:
 - After that it runs the choice whose realised throughput is higher (drafting only while
   drafted rounds measure strictly faster) and now and then probes the other choice, so
   that a change (acceptance rising or falling) is noticed and the guard switches back.
+- What to probe: drafting's throughput moves with the text a lane writes (what the
+  drafter guesses right), plain's does not (one token a lane, in a round whose time its
+  band fixes). So the budget below pays for probing drafting only; plain, when it loses,
+  is probed only once its evidence is stale: decayed below `STALE_WEIGHT` rounds (one
+  round about 60 rounds ago at the default memory). A plain probe where drafting
+  wins loses a good part of a round (on the H200 the default's plain round is 2.6 ms, of
+  which about 1 ms is lost against drafting), and paid from the budget as drafted probes
+  are, plain probes took most of it: drafting's estimate, once a hard stretch of text had
+  sunk it, then went unprobed for hundreds of rounds while drafting would have paid. The
+  same staleness rule re-measures drafting when the budget is spent.
 - Probe budget (the precise rule): what a probe costs is the time it loses against the
-  winner, `seconds - tokens / winner_tps` (at least 0). A probe runs only if, counting it
-  at its choice's mean round and throughput, the band's probe losses stay <= `budget` x
-  all seconds recorded in the band (probes included). Probes are spaced by this rule
-  alone: a loser that measures nearly as fast as the winner costs little to probe and is
-  probed often, so a close call is re-measured soon (acceptance moves with the text a
-  lane writes), while a clear loser is probed rarely. Exploration rounds are not probes
-  and are not counted in the budget; they happen once per band.
+  winner, `seconds - tokens / winner_tps` (at least 0). A drafted probe runs only if,
+  counting it at its choice's mean round and throughput, the band's probe losses stay <=
+  `budget` x all seconds recorded in the band (probes included), or its evidence is
+  stale. A drafted round that measures nearly as fast as plain costs little to probe and
+  is probed often, so a close call is re-measured soon, while a clear loser is probed
+  rarely. Exploration rounds are not probes and are not counted in the budget; they
+  happen once per band.
 - Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
   average over rounds decayed like the evidence). Without it a winner whose estimate has
   sunk to just above the loser's makes probes of the loser nearly free, so the loser
@@ -56,6 +66,11 @@ from dataclasses import dataclass, field
 from lanes.bands import Band
 
 logger = logging.getLogger("laneserve.guard")
+
+# A losing choice whose decayed evidence weighs less than this many rounds is stale and
+# probed whatever the budget says: one round recorded 59 rounds ago at the default
+# smoothing (0.05), more rounds further back.
+STALE_WEIGHT = 0.05
 
 # The vocabulary of GuardDecision.reason.
 EXPLORE = "explore"
@@ -142,7 +157,7 @@ class DraftGuard:
 
     def __init__(self, budget: float = 0.03, smoothing: float = 0.05, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
-        """`budget`: the share of a band's seconds that probes may lose; `smoothing`: the
+        """`budget`: the share of a band's seconds that probes of drafting may lose; `smoothing`: the
         per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
         new band runs; `outlier_factor`: the most a round counts, in its choice's mean
         round times; `warm_rounds`: the rounds of each choice a band runs uncounted first;
@@ -187,7 +202,7 @@ class DraftGuard:
         else:
             drafting_wins = evidence.drafting_wins()
             winner, loser = (drafted, plain) if drafting_wins else (plain, drafted)
-            probe = self._probe_affordable(evidence, loser, winner.tokens_per_second)
+            probe = self._probe_due(evidence, loser, winner.tokens_per_second, drafting=not drafting_wins)
             draft = drafting_wins != probe
             reason = PROBE if probe else DRAFTING_FASTER if drafting_wins else DRAFTING_NOT_FASTER
         decision = GuardDecision(draft, probe, band, drafted.tokens_per_second, plain.tokens_per_second, reason)
@@ -255,8 +270,13 @@ class DraftGuard:
             "seconds": evidence.seconds,
         }
 
-    def _probe_affordable(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float) -> bool:
+    def _probe_due(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float, drafting: bool) -> bool:
+        """Whether the next round probes `loser` (`drafting`: the loser is drafting)."""
         if evidence.probe_share >= self.max_probe_share:
+            return False
+        if loser.weight < STALE_WEIGHT:
+            return True
+        if not drafting:
             return False
         expected_loss = loser.mean_loss_seconds(winner_tps)
         return evidence.probe_loss_seconds + expected_loss <= self._budget * (evidence.seconds + loser.mean_round_seconds)
