@@ -203,6 +203,20 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("lanes/guard.py", "        if evidence.probe_share >= self.max_probe_share:", "        if False:"),),
         ("tests/test_guard.py",),
     ),
+    Mutant(
+        "guard-stale-evidence-ignored",
+        "a loser is probed only as the budget allows, however old its evidence: once the budget is spent, "
+        "a drafted estimate sunk by a hard stretch is never measured again",
+        (Edit("lanes/guard.py", "        if loser.weight < STALE_WEIGHT:\n            return True\n", ""),),
+        ("tests/test_guard.py",),
+    ),
+    Mutant(
+        "guard-plain-probes-from-budget",
+        "plain, when drafting wins, is probed as the budget allows (as drafting is), not only when its evidence is stale: "
+        "plain probes spend the budget drafting needs",
+        (Edit("lanes/guard.py", "        if not drafting:\n            return False\n", ""),),
+        ("tests/test_guard.py",),
+    ),
 )
 
 

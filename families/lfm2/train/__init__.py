@@ -16,7 +16,10 @@ first steps, then kept in the checkpoint). Each invocation ends by exporting OUT
 the target as a Hugging Face LFM2 directory with its tokenizer, the drafter in
 LiquidAI's DSpark format. `generate` has the trained target write the drafter's
 training text (the drafter also trains on DATA directly, but accepts fewer drafts),
-with `--repetition-penalty` and `--min-p` as a checkpoint's sampling defaults write it.
+with `--repetition-penalty` and `--min-p` as a checkpoint's sampling defaults write it,
+and with `--served-share S` a share of its prompts cut as a user sends them (a chat
+example from its start token to its reply, or a paragraph's opening after the start
+token; every row keeps one length, a short prompt getting a longer continuation).
 A drafter trains on from an exported one with `--init DRAFTER` (a fresh schedule),
 optionally with its MLPs widened (`--intermediate N`, the new units silent at first)
 or with a share of its loss taken against the target's whole distribution
