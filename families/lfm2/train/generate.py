@@ -239,7 +239,7 @@ def generate(target_dir: str | Path, data: str | Path, out: str | Path, sequence
     target = Lfm2Target(model, config, max_lanes=batch)
     tokenizer = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
     header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False).ids
-    served = dict(served_share=served_share, **document_marks(tokenizer))
+    served = dict(served_share=served_share, **(document_marks(tokenizer) if served_share else {}))
     rng = np.random.default_rng(seed)
     mx.random.seed(seed)
     out = Path(out)
