@@ -36,9 +36,10 @@ Per band:
 - Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
   average over rounds decayed like the evidence). Without it a winner whose estimate has
   sunk to just above the loser's makes probes of the loser nearly free, so the loser
-  runs round after round, the winner never runs to correct its estimate, and the band
-  is stuck on the slower choice: drafting, whose rounds keep anything from no draft to
-  all of them, fell into this and ran plain most of the time where it paid 1.6x.
+  runs round after round and the winner never runs to correct its estimate. Drafting,
+  whose rounds keep anything from no draft to all of them, fell into this when plain
+  probes were paid from the budget, and ran plain most of the time where it paid 1.6x;
+  plain is now probed only when stale, and the share still bounds drafted probes.
 - Throughput per choice is a ratio of decayed sums (tokens over seconds). Both choices'
   sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
