@@ -8,8 +8,9 @@ no head of its own: both are the target's tied table.
 
 Split like the target: `config` (config.json and the pairing with a target), `model`
 (the modules and weights), `runtime` (`DSparkDrafter`: each lane's context K/V in slot
-pools, appended only with committed rows; one batched proposal for many lanes), `load`
-(a directory to a runtime).
+pools, appended only with committed rows; one batched proposal for many lanes), `chain`
+(a greedy proposal's Markov chain as one CUDA kernel, for small heads), `load` (a
+directory to a runtime).
 """
 
 from .config import MAX_VERIFY_WIDTH, DSparkConfig, check_pairing
