@@ -204,17 +204,24 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_guard.py",),
     ),
     Mutant(
-        "guard-stale-evidence-ignored",
-        "a loser is probed only as the budget allows, however old its evidence: once the budget is spent, "
-        "a drafted estimate sunk by a hard stretch is never measured again",
-        (Edit("lanes/guard.py", "        if loser.weight < STALE_WEIGHT:\n            return True\n", ""),),
+        "guard-plain-never-probed",
+        "plain, when drafting wins, is never probed, however old its evidence: "
+        "a plain estimate that luck put low is never measured again",
+        (Edit("lanes/guard.py", "            return loser.weight < STALE_WEIGHT\n", "            return False\n"),),
         ("tests/test_guard.py",),
     ),
     Mutant(
         "guard-plain-probes-from-budget",
         "plain, when drafting wins, is probed as the budget allows (as drafting is), not only when its evidence is stale: "
         "plain probes spend the budget drafting needs",
-        (Edit("lanes/guard.py", "        if not drafting:\n            return False\n", ""),),
+        (Edit("lanes/guard.py", "        if not drafting:\n            return loser.weight < STALE_WEIGHT\n", ""),),
+        ("tests/test_guard.py",),
+    ),
+    Mutant(
+        "guard-stale-drafting-probed",
+        "drafting, when it loses, is also probed whenever its evidence is stale, whatever the budget says: "
+        "where it loses by far (long contexts) those probes alone lose several percent",
+        (Edit("lanes/guard.py", "        if not drafting:\n", "        if not drafting or loser.weight < STALE_WEIGHT:\n"),),
         ("tests/test_guard.py",),
     ),
 )
