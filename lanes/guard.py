@@ -210,13 +210,14 @@ class DraftGuard:
             draft = drafting_wins != probe
             reason = PROBE if probe else DRAFTING_FASTER if drafting_wins else DRAFTING_NOT_FASTER
         decision = GuardDecision(draft, probe, band, drafted.tokens_per_second, plain.tokens_per_second, reason)
-        logger.debug(
-            "guard decide lanes=%d context_tokens=%d band=%s draft=%s probe=%s reason=%r "
-            "drafted_tps=%s plain_tps=%s drafted_rounds=%d plain_rounds=%d probe_seconds=%.6f band_seconds=%.6f",
-            lanes, context_tokens, band, draft, probe, reason,
-            _format_tps(decision.drafted_tps), _format_tps(decision.plain_tps),
-            drafted.rounds, plain.rounds, evidence.probe_seconds, evidence.seconds,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # every round: its arguments cost host time even when not logged
+            logger.debug(
+                "guard decide lanes=%d context_tokens=%d band=%s draft=%s probe=%s reason=%r "
+                "drafted_tps=%s plain_tps=%s drafted_rounds=%d plain_rounds=%d probe_seconds=%.6f band_seconds=%.6f",
+                lanes, context_tokens, band, draft, probe, reason,
+                _format_tps(decision.drafted_tps), _format_tps(decision.plain_tps),
+                drafted.rounds, plain.rounds, evidence.probe_seconds, evidence.seconds,
+            )
         return decision
 
     def record(self, decision: GuardDecision, round_seconds: float, emitted_tokens: int) -> None:
