@@ -197,6 +197,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lookup.py",),
     ),
     Mutant(
+        "prompt-read-counted-as-round-time",
+        "a plain round in flight while a prompt's chunk is read is timed to its landing, after the chunk: "
+        "plain rounds look as slow as the prompts read beside them",
+        (Edit("lanes/round.py", "        self._settle_inflight()\n", ""),),
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
         "guard-probes-uncapped",
         "the guard's probes are limited by its loss budget only, not by their share of recent rounds: "
         "a loser that looks nearly free runs round after round",

@@ -90,6 +90,7 @@ class PlainDispatch:
     logprobs: list[mx.array] = field(default_factory=list)  # lazy, for lanes that asked
     decision: GuardDecision | None = None
     context: int = 0
+    settled: float | None = None  # when the device had run it, if the host waited for that before landing it
 
 
 @dataclass
@@ -186,6 +187,7 @@ class RoundRunner:
     def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> mx.array:
         """Read the next chunk of each lane's prompt, all lanes in one forward; returns
         each chunk's last-row logits `[N, V]`."""
+        self._settle_inflight()
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
         out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
         self.target.commit(out, [len(chunk) for chunk in chunks])
@@ -316,6 +318,15 @@ class RoundRunner:
         mx.async_eval(tokens, *logprobs, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
         return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag), logprobs=logprobs)
 
+    def _settle_inflight(self) -> None:
+        """Wait for the plain round in flight to run, and note when it had: work queued
+        behind it (a prompt's chunk) is not its cost. Its landing, after that work, would
+        otherwise count the chunk's seconds as the round's, and the guard and the cost
+        table would see plain rounds slowed by every prompt read beside them."""
+        if self._inflight is not None and self._inflight.settled is None:
+            mx.eval(self._inflight.tokens)
+            self._inflight.settled = self.clock()
+
     def _land_inflight(self) -> list:
         if self._inflight is None:
             return []
@@ -338,8 +349,10 @@ class RoundRunner:
             events.append((lane, lane.emit([token], None if logprob is None else [logprob])))
         self.fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         now = self.clock()
-        # Pipelined rounds overlap: a round's time is the interval between landings.
-        seconds = now - (max(self._last_landing, dispatch.started) if dispatch.pipelined else dispatch.started)
+        # Pipelined rounds overlap: a round's time is the interval between landings (or
+        # until it had run, where the host settled it before other work).
+        ended = now if dispatch.settled is None else dispatch.settled
+        seconds = ended - (max(self._last_landing, dispatch.started) if dispatch.pipelined else dispatch.started)
         self._last_landing = now
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)

@@ -271,3 +271,37 @@ def test_pipelined_plain_rounds_equal_synchronous_ones(dense_dir):
     for lane, entries in logprobs[RoundRunner].items():
         assert ids(entries) == ids(logprobs[SynchronousRounds][lane])
         assert values(entries) == pytest.approx(values(logprobs[SynchronousRounds][lane]), abs=1e-5)
+
+
+def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense_dir):
+    # A plain round in flight when a prompt's chunk is read lands after the chunk: its
+    # time must end where it had run, or the guard and the cost table see plain rounds
+    # slowed by every prompt read beside them. A clock that moves 1 s per prefill forward
+    # and 1 ms per round shows which is counted.
+    now = [0.0]
+
+    def clock():
+        now[0] += 1e-6
+        return now[0]
+
+    loaded = open_target(dense_dir, max_lanes=2)
+    target = loaded.target
+    forward = target.forward
+
+    def timed_forward(lanes, tokens, **kwargs):
+        now[0] += 1.0 if kwargs.get("logits") == "last" else 1e-3
+        return forward(lanes, tokens, **kwargs)
+
+    target.forward = timed_forward
+    rounds = RoundRunner(target, clock=clock)
+    seconds = []
+    account = rounds._account
+    rounds._account = lambda report, decision, context: seconds.append(report.seconds) or account(report, decision, context)
+    engine = Engine(target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=2, prefill_chunk=8), rounds=rounds)
+    decoder = Request(PROMPTS[0], 40)
+    engine.submit(decoder)
+    while not seconds:
+        engine.step()
+    engine.submit(Request([1] + list(range(20, 84)), 4))  # read in 8 slices beside the decoder's rounds
+    engine.run_until_idle()
+    assert len(seconds) > 20 and max(seconds) < 0.1, max(seconds)
