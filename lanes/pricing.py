@@ -8,9 +8,9 @@ second of the whole round is as high as the prefix rule allows.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
-
-import numpy as np
+from itertools import accumulate
 
 from lanes.bands import Band
 
@@ -64,8 +64,9 @@ class NoCostData(LookupError):
     """The cost table has no measurement to estimate from (seed it with a warm-up profile)."""
 
 
-def interpolate_cost(seconds_by_rows: Mapping[int, float], rows: int) -> float:
-    """Seconds of a round of `rows` rows, from the measured seconds of other row counts.
+def cost_curve(seconds_by_rows: Mapping[int, float]) -> Callable[[int], float]:
+    """Seconds of a round of `rows` rows, as a function of rows, from the measured seconds
+    of some row counts (read once: a round's pricing asks about many row counts).
 
     Measurements are first made non-decreasing in rows (a round of more rows never costs
     less; a dip is noise). Between measured row counts the estimate is linear between the
@@ -75,14 +76,22 @@ def interpolate_cost(seconds_by_rows: Mapping[int, float], rows: int) -> float:
     """
     if not seconds_by_rows:
         raise NoCostData("no measured row counts")
-    measured_rows = np.array(sorted(seconds_by_rows), dtype=float)
-    seconds = np.maximum.accumulate([seconds_by_rows[r] for r in sorted(seconds_by_rows)])
-    if rows <= measured_rows[-1]:
-        return float(np.interp(rows, measured_rows, seconds))
-    if len(measured_rows) == 1:
-        return float(seconds[-1])
-    slope = (seconds[-1] - seconds[-2]) / (measured_rows[-1] - measured_rows[-2])
-    return float(seconds[-1] + slope * (rows - measured_rows[-1]))
+    measured = sorted(seconds_by_rows)
+    seconds = list(accumulate((seconds_by_rows[r] for r in measured), max))
+    slope = (seconds[-1] - seconds[-2]) / (measured[-1] - measured[-2]) if len(measured) > 1 else 0.0
+
+    def estimate(rows: int) -> float:
+        if rows >= measured[-1]:
+            return seconds[-1] + slope * (rows - measured[-1])
+        if rows <= measured[0]:
+            return seconds[0]
+        i = bisect_left(measured, rows)
+        if measured[i] == rows:
+            return seconds[i]
+        share = (rows - measured[i - 1]) / (measured[i] - measured[i - 1])
+        return seconds[i - 1] + share * (seconds[i] - seconds[i - 1])
+
+    return estimate
 
 
 class CostTable:
@@ -121,9 +130,14 @@ class CostTable:
         by_rows[rows] = self._smoothed(by_rows.get(rows), seconds)
 
     def estimate(self, rows: int, lanes: int, context_tokens: int) -> float:
-        """Estimated seconds of a target round of `rows` rows (see `interpolate_cost`)."""
+        """Estimated seconds of a target round of `rows` rows (see `cost_curve`)."""
+        return self.curve(lanes, context_tokens)(rows)
+
+    def curve(self, lanes: int, context_tokens: int) -> Callable[[int], float]:
+        """Estimated seconds of a target round by its rows, for rounds of `lanes` lanes at
+        `context_tokens` tokens (see `cost_curve`)."""
         band = _nearest(self._round_seconds, Band.of(lanes, context_tokens))
-        return interpolate_cost(self._round_seconds[band], rows)
+        return cost_curve(self._round_seconds[band])
 
     def _smoothed(self, previous: float | None, seconds: float) -> float:
         if previous is None:

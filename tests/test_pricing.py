@@ -7,7 +7,7 @@ from lanes.pricing import (
     CostTable,
     NoCostData,
     chain_chances,
-    interpolate_cost,
+    cost_curve,
     plan_depths,
 )
 
@@ -33,43 +33,43 @@ def test_chain_chances_refuse_non_probabilities(bad):
 
 def test_interpolation_is_linear_between_neighbours_only():
     points = {1: 10.0, 8: 12.0, 10: 20.0}
-    assert interpolate_cost(points, 1) == 10.0
-    assert interpolate_cost(points, 4) == pytest.approx(10.0 + 3 / 7 * 2.0)  # 3/7 of the way 10 -> 12
-    assert interpolate_cost(points, 9) == pytest.approx(16.0)  # halfway 12 -> 20
-    assert interpolate_cost(points, 10) == 20.0
+    assert cost_curve(points)(1) == 10.0
+    assert cost_curve(points)(4) == pytest.approx(10.0 + 3 / 7 * 2.0)  # 3/7 of the way 10 -> 12
+    assert cost_curve(points)(9) == pytest.approx(16.0)  # halfway 12 -> 20
+    assert cost_curve(points)(10) == 20.0
 
 
 def test_interpolation_keeps_the_metal_cliff():
     # Flat to 9 rows, a cliff at 10, flat again: no smoothing across the cliff.
     points = {1: 10.0, 8: 10.4, 9: 10.5, 10: 18.0, 16: 18.6}
-    assert interpolate_cost(points, 9) == 10.5
-    assert interpolate_cost(points, 10) == 18.0
-    assert interpolate_cost(points, 13) == pytest.approx(18.3)
+    assert cost_curve(points)(9) == 10.5
+    assert cost_curve(points)(10) == 18.0
+    assert cost_curve(points)(13) == pytest.approx(18.3)
 
 
 def test_extrapolation_continues_the_last_slope():
     points = {1: 10.0, 8: 12.0, 10: 20.0}
-    assert interpolate_cost(points, 12) == pytest.approx(28.0)  # slope (20-12)/2 = 4 per row
+    assert cost_curve(points)(12) == pytest.approx(28.0)  # slope (20-12)/2 = 4 per row
 
 
 def test_extrapolation_never_falls_below_the_last_point():
     # The dip 12 -> 11 is noise: the envelope is 10, 12, 12, so the slope past 3 is 0.
     points = {1: 10.0, 2: 12.0, 3: 11.0}
-    assert interpolate_cost(points, 2) == 12.0
-    assert interpolate_cost(points, 3) == 12.0
-    assert interpolate_cost(points, 6) == 12.0
+    assert cost_curve(points)(2) == 12.0
+    assert cost_curve(points)(3) == 12.0
+    assert cost_curve(points)(6) == 12.0
 
 
 def test_single_point_is_flat_and_below_first_point_is_flat():
-    assert interpolate_cost({4: 7.0}, 1) == 7.0
-    assert interpolate_cost({4: 7.0}, 10) == 7.0
-    assert interpolate_cost({4: 7.0, 8: 9.0}, 2) == 7.0
+    assert cost_curve({4: 7.0})(1) == 7.0
+    assert cost_curve({4: 7.0})(10) == 7.0
+    assert cost_curve({4: 7.0, 8: 9.0})(2) == 7.0
 
 
 def test_interpolation_is_monotone_in_rows_for_noisy_points():
     rng = np.random.default_rng(0)
     points = {int(r): float(s) for r, s in zip(rng.choice(64, 12, replace=False) + 1, rng.uniform(1, 5, 12))}
-    estimates = [interpolate_cost(points, rows) for rows in range(1, 100)]
+    estimates = [cost_curve(points)(rows) for rows in range(1, 100)]
     assert all(later >= earlier for earlier, later in zip(estimates, estimates[1:]))
 
 
