@@ -502,7 +502,7 @@ class RoundRunner:
             return plan_depths(
                 [d.chances for d in drafts],
                 plain_rows=len(lanes) - len(drafting),
-                round_seconds=lambda rows: self.costs.estimate(rows, len(lanes), context),
+                round_seconds=self.costs.curve(len(lanes), context),
                 draft_seconds=draft_seconds,
                 max_depths=caps,
             )
@@ -608,7 +608,8 @@ class RoundRunner:
                 if draft.ngram:
                     lane.stats.looked_up_rounds += 1
                 else:
-                    self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
+                    if self.price_live:  # calibrated confidences price only rounds that read the proposal first
+                        self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
                     self._drafter_yield.append(outcome.accepted)
                 for k in range(depth):
                     proposed_at[k] += 1
