@@ -34,7 +34,8 @@ At long contexts a run's decode is a second or so and its prompt's read many mor
 a shared GPU's speed drifts by up to 25% from run to run: a ratio within 3% needs many
 alternations. `--long-prompt-cache` gives both long-context engines a prefix cache, so
 each prompt is read once per engine and every later run restores it (untimed, as every
-read is) and goes straight to the decode that is timed.
+read is) and goes straight to the decode that is timed. Both engines then also keep the
+conv states a cache needs at every block boundary (one copy each 64 tokens), alike.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ Per band:
   2%: at long contexts, where drafting loses, the drafting-capable engine should run
   within 3% of a plain one, and its taps and context folds take some of that. A drafted
   round that measures nearly as fast as plain costs little to probe and is probed often,
-  so a close call is re-measured soon, while a clear loser is probed rarely. Exploration rounds are not probes and are not counted in the budget; they
-  happen once per band.
+  so a close call is re-measured soon, while a clear loser is probed rarely. Exploration
+  rounds are not probes and are not counted in the budget; they happen once per band.
 - Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
   average over rounds decayed like the evidence). Without it a winner whose estimate has
   sunk to just above the loser's makes probes of the loser nearly free, so the loser
