@@ -10,7 +10,7 @@ lane has read a random prompt of `--context` tokens:
   rounds (each step launched before the one before it is read);
 - drafting round: one committed row per lane appended to the drafter's context, then a
   greedy proposal of the drafter's width per lane as the engine asks for one (no chain
-  logits), evaluated with the context it wrote; with `--chain-ops` also the same round
+  logits; no confidences where shapes are steady, as on CUDA), evaluated with the context it wrote; with `--chain-ops` also the same round
   with the chain as MLX operations (`draft-ops`) where it otherwise runs as one kernel;
 - peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
   the same number of sequences, on the same checkpoint, in the same process.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import re
 import statistics
 import tempfile
@@ -43,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.provenance import markdown_line, provenance, write_result
+from families.lfm2.cache import plans_per_shape
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 
 # Primitives that produce views of their input and launch no kernel.
@@ -85,11 +87,15 @@ class DraftRounds:
     def __init__(self, drafter, slots, anchors: list[int], taps_width: int, dtype):
         self.drafter, self.slots, self.anchors = drafter, slots, anchors
         self.row = mx.zeros((1, taps_width), dtype=dtype)
+        # As the engine proposes: without confidences where rounds are priced ahead of the
+        # proposal (steady shapes), if this copy of the package can leave them out.
+        leaves_out = "confidences" in inspect.signature(drafter.propose).parameters
+        self.unscored = {"confidences": False} if plans_per_shape() and leaves_out else {}
 
     def build(self) -> list[mx.array]:
         n = len(self.slots)
         self.drafter.append(self.slots, [self.row] * n, [[0]] * n)
-        proposal = self.drafter.propose(self.slots, self.anchors, self.drafter.width, chain_logits=False)
+        proposal = self.drafter.propose(self.slots, self.anchors, self.drafter.width, chain_logits=False, **self.unscored)
         for slot in self.slots:
             slot.length -= 1  # the context stays where it was: every round costs the same
         return [*proposal.arrays(), *self.drafter.state_arrays()]

@@ -68,7 +68,7 @@ class PromptLookupDrafter:
     def validate(self, proposal) -> list[None]:
         return [None] * proposal.tokens.shape[0]
 
-    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True) -> LookupProposal:
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> LookupProposal:
         g = width or self.width
         tokens, confidences = [], []
         for lane, anchor in zip(lanes, anchors):

@@ -150,9 +150,9 @@ class ScriptedDrafter:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
         return self.drafter.validate(proposal.real)
 
-    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True) -> ScriptedProposal:
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> ScriptedProposal:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.
-        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits)
+        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences)
         g = real.tokens.shape[1]
         tokens, confidences = [], []
         for lane, anchor in zip(lanes, anchors):

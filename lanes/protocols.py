@@ -89,9 +89,10 @@ class Drafter(Protocol):
         """Add newly committed rows (their taps and token ids) to each lane's context."""
 
     def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True) -> Proposal:
+                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
         """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward
-        (`chain_logits=False`: without the chain's [N, g, V] logits)."""
+        (`chain_logits=False`: without the chain's [N, g, V] logits; `confidences=False`:
+        the caller will not read the confidences, which may then be None)."""
 
     def validate(self, proposal: Proposal) -> list[Exception | None]:
         """Per lane: None when its drafts may be verified, else the error that makes its round plain."""

@@ -9,9 +9,10 @@ append of anchor + accepted rows), emit, and record what the round cost.
 A drafted round reads the device once: the drafter's proposal flows into the verify
 forward on the device and is read with the target's choices. Pricing then cannot see
 this round's confidences, so it prices the drafter's windows by counted survival per
-position instead; where a verify's cost grows with its rows (`price_live`, by default
-where shapes are not padded to steady buckets) the round reads the proposal first and
-prices from its calibrated confidences, at the cost of a second sync.
+position instead (and the drafter leaves its confidences out); where a verify's cost
+grows with its rows (`price_live`, by default where shapes are not padded to steady
+buckets) the round reads the proposal first and prices from its calibrated confidences,
+at the cost of a second sync.
 """
 
 from __future__ import annotations
@@ -404,9 +405,10 @@ class RoundRunner:
             return [looked[id(lane)] for lane in drafting], None
         began = self.clock()
         self.fold_pending(asked, launch=False)  # launched with the proposal that reads it
-        # Verification compares tokens only: the chain's float32 logits are never read.
+        # Verification compares tokens only: the chain's float32 logits are never read, and
+        # the confidences only where they price this round.
         proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
-                                        drafter_pick(asked, g, self.seen), chain_logits=False)
+                                        drafter_pick(asked, g, self.seen), chain_logits=False, confidences=self.price_live)
         (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays()])
         self._draft_seconds = self.clock() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}

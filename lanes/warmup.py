@@ -73,7 +73,8 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
         return [forward.logits, *target.state_arrays()]
 
     def propose(lanes: int, pick=None) -> list[mx.array]:
-        return drafter.propose(drafter_slots[:lanes], [1] * lanes, runner.proposals, pick, chain_logits=False).arrays()
+        return drafter.propose(drafter_slots[:lanes], [1] * lanes, runner.proposals, pick, chain_logits=False,
+                               confidences=runner.price_live).arrays()
 
     def variants(lanes: int, width: int):
         """The (taps, first slot) of every round of `lanes` x `width` the engine can run:

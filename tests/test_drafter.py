@@ -248,6 +248,20 @@ def test_pick_drives_the_chain(target, target_dir, drafter_dir, prompt_taps):
     assert_matches_reference(proposal, reference, prompt_taps, ANCHORS, drafter.width, pick=lambda l, k: int(np.argsort(-l)[1]))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("pick", [None, lambda logits, k: mx.argsort(-logits, axis=-1)[:, 1]], ids=["greedy", "pick"])
+def test_a_proposal_without_confidences_drafts_the_same(target, drafter_dir, prompt_taps, compiled, pick):
+    """A round priced by counted survival never reads the confidences: left out, the
+    drafts and their faults are the same, and there are none to read."""
+    drafter, lanes = drafter_with_context(drafter_dir, target, prompt_taps)
+    drafter.compiled = compiled
+    full = drafter.propose(lanes, ANCHORS, pick=pick, chain_logits=False)
+    bare = drafter.propose(lanes, ANCHORS, pick=pick, chain_logits=False, confidences=False)
+    assert full.confidences is not None and bare.confidences is None
+    mx.eval(*full.arrays(), *bare.arrays())
+    assert bare.tokens.tolist() == full.tokens.tolist() and bare.faults.tolist() == full.faults.tolist()
+
+
 def test_proposing_never_grows_the_context(target, drafter_dir, prompt_taps):
     drafter, lanes = drafter_with_context(drafter_dir, target, prompt_taps)
     lengths = [lane.length for lane in lanes]

@@ -50,6 +50,7 @@ class ProposalSegment:
     width: int  # g
     greedy: bool  # the argmax chain runs in the last segment (a pick runs it on the host's terms)
     chain_logits: bool
+    confidences: bool
 
 
 @dataclass
@@ -232,14 +233,15 @@ class DSparkDrafter:
         return [a for layer in self.model.layers for a in layer.self_attn.keys_values(c, positions)]
 
     def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True) -> Proposal:
+                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
         """Draft `width` tokens after each lane's anchor (the last token the target
         emitted, at position `lane.length`), all lanes in one lazy forward.
 
         `pick(logits [N, V], k) -> tokens [N]` chooses x_{k+1} from the chain logits of
         row k (argmax when None); the lane core passes its sampler for temperature > 0.
         `chain_logits=False` leaves the float32 `[N, g, V]` chain logits out of the
-        proposal (what greedy rounds never read)."""
+        proposal (what greedy rounds never read); `confidences=False` the confidence
+        head's (what a round priced by counted survival never reads)."""
         cfg = self.config
         g = cfg.width if width is None else width
         if not 1 <= g <= cfg.max_width:
@@ -266,24 +268,25 @@ class DSparkDrafter:
         for j in range(last + 1):
             args = [h, *([attended] if j else []), *([anchors_array] if j == last else []), layout.offsets_array]
             if self.compiled:
-                outputs = self._segments(ProposalSegment(j, n, g, pick is None, chain_logits))(*args)
+                outputs = self._segments(ProposalSegment(j, n, g, pick is None, chain_logits, confidences))(*args)
             else:
-                outputs = self._segment_arrays(j, g, pick is None, chain_logits, *args)
+                outputs = self._segment_arrays(j, g, pick is None, chain_logits, confidences, *args)
             if j < len(self.kv):
                 h, *qkv = outputs
                 attended = self.model.layers[j].self_attn.core(*qkv, layout, slots, self.kv[j], mask)
         if pick is not None:
-            outputs = self._chain(outputs[0], anchors_array, pick, chain_logits)
-        tokens, confidences, logits, faults = outputs if chain_logits else (outputs[0], outputs[1], None, outputs[2])
-        if not cfg.enable_confidence_head:
-            confidences = None
-        return Proposal(tokens, confidences, logits, faults, cfg.vocab_size)
+            outputs = self._chain(outputs[0], anchors_array, pick, chain_logits, confidences)
+        tokens, faults, *rest = outputs
+        scores = rest.pop(0) if cfg.enable_confidence_head and confidences else None
+        logits = rest.pop(0) if chain_logits else None
+        return Proposal(tokens, scores, logits, faults, cfg.vocab_size)
 
     def _traced_segment(self, spec: ProposalSegment):
         """`_segment_arrays` for one spec, as a function of arrays only."""
-        return lambda *args: self._segment_arrays(spec.segment, spec.width, spec.greedy, spec.chain_logits, *args)
+        return lambda *args: self._segment_arrays(spec.segment, spec.width, spec.greedy, spec.chain_logits, spec.confidences, *args)
 
-    def _segment_arrays(self, j: int, g: int, greedy: bool, chain_logits: bool, *args: mx.array) -> list[mx.array]:
+    def _segment_arrays(self, j: int, g: int, greedy: bool, chain_logits: bool, confidences: bool,
+                        *args: mx.array) -> list[mx.array]:
         """Segment j of a proposal, eager or traced: the rest of block layer j-1 once its
         attention core has run, and layer j's projections. In: the anchors (j = 0) or
         the block's rows and core j-1's output (j > 0), the anchors again (the last
@@ -301,21 +304,22 @@ class DSparkDrafter:
         if j < len(layers):
             return [h, *layers[j].project(h, layout)]
         h = self.model.norm(h)
-        return self._chain(h, anchors, None, chain_logits) if greedy else [h]
+        return self._chain(h, anchors, None, chain_logits, confidences) if greedy else [h]
 
-    def _chain(self, h: mx.array, anchors: mx.array, pick: Pick | None, keep_logits: bool) -> list[mx.array]:
-        """Block rows `h [N, g, H]` -> tokens, confidences (zeros without a confidence
-        head), the chain logits when `keep_logits`, faults: the Markov chain
-        `l_k = U_k + w2(w1[prev_k])`, `x_{k+1} = pick(l_k)`."""
+    def _chain(self, h: mx.array, anchors: mx.array, pick: Pick | None, keep_logits: bool, want_confidences: bool) -> list[mx.array]:
+        """Block rows `h [N, g, H]` -> tokens, faults, the confidences (where there is a
+        confidence head and they are wanted), the chain logits (when `keep_logits`): the
+        Markov chain `l_k = U_k + w2(w1[prev_k])`, `x_{k+1} = pick(l_k)`."""
         cfg, g = self.config, h.shape[1]
         markov = self.model.markov_head
+        scoring = cfg.enable_confidence_head and want_confidences
         base = self.tied_logits(h)  # U_k: row k proposes x_{k+1}
         if pick is None and not keep_logits and self.fused_chain is not None:
             tokens_arr, logits_arr = self.fused_chain(base, anchors), None
-            prev_rows = markov.markov_w1(mx.concatenate([anchors[:, None], tokens_arr[:, :-1]], axis=1))
+            prev_rows = lambda: markov.markov_w1(mx.concatenate([anchors[:, None], tokens_arr[:, :-1]], axis=1))
         else:
             prev = anchors
-            tokens, logits, rows = [], [], []
+            tokens, logits, embedded = [], [], []
             for k in range(g):
                 # Ids from a faulty pick are clipped for the lookup only; the raw ids are
                 # returned so the fault is reported, never read out of bounds. An argmax (and
@@ -325,14 +329,13 @@ class DSparkDrafter:
                 prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
                 tokens.append(prev)
                 logits.append(l_k)
-                rows.append(e)
-            tokens_arr, prev_rows = mx.stack(tokens, axis=1), mx.stack(rows, axis=1)
+                embedded.append(e)
+            tokens_arr = mx.stack(tokens, axis=1)
+            prev_rows = lambda: mx.stack(embedded, axis=1)
             logits_arr = mx.stack(logits, axis=1) if keep_logits else None
         confidences = None
-        if cfg.enable_confidence_head:
-            features = mx.concatenate([h, prev_rows.astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
+        if scoring:  # w1[prev_k] per row (`prev_rows`) is built only for a head that reads it
+            features = mx.concatenate([h, prev_rows().astype(h.dtype)], axis=-1) if cfg.confidence_head_with_markov else h
             confidences = self.model.confidence_head(features)
         faults = draft_faults(tokens_arr, confidences, logits_arr if keep_logits else h, cfg.vocab_size)
-        if confidences is None:  # a traced function returns arrays only
-            confidences = mx.zeros(tokens_arr.shape, dtype=mx.float32)
-        return [tokens_arr, confidences, *([logits_arr] if keep_logits else []), faults]
+        return [tokens_arr, faults, *([confidences] if scoring else []), *([logits_arr] if keep_logits else [])]
