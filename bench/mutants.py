@@ -200,7 +200,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "prompt-read-counted-as-round-time",
         "a plain round in flight while a prompt's chunk is read is timed to its landing, after the chunk: "
         "plain rounds look as slow as the prompts read beside them",
-        (Edit("lanes/round.py", "        self._settle_inflight()\n", ""),),
+        (Edit("lanes/round.py", "        self._settle_inflight()  # the round in flight ran while this chunk's graph was built\n", ""),),
         ("tests/test_engine.py",),
     ),
     Mutant(

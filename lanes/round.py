@@ -188,7 +188,6 @@ class RoundRunner:
     def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> mx.array:
         """Read the next chunk of each lane's prompt, all lanes in one forward; returns
         each chunk's last-row logits `[N, V]`."""
-        self._settle_inflight()
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
         out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
         self.target.commit(out, [len(chunk) for chunk in chunks])
@@ -198,6 +197,7 @@ class RoundRunner:
                 lane.pending_tokens += chunk
                 if self.prompt_lookup:  # indexed as it is read: a long prompt's index costs no round a stall
                     self._ngrams(lane, read=lane.prefilled + len(chunk))
+        self._settle_inflight()  # the round in flight ran while this chunk's graph was built
         mx.eval(out.logits, *([out.taps] if drafting else []), *self.target.state_arrays())
         # A lane still reading its prompt folds as it goes (its taps would pile up); one whose
         # prompt is read folds at its first round, so its first token does not wait for it.
@@ -320,7 +320,7 @@ class RoundRunner:
         return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag), logprobs=logprobs)
 
     def _settle_inflight(self) -> None:
-        """Wait for the plain round in flight to run, and note when it had: work queued
+        """Wait for the plain round in flight to run, and note when it had: work evaluated
         behind it (a prompt's chunk) is not its cost. Its landing, after that work, would
         otherwise count the chunk's seconds as the round's, and the guard and the cost
         table would see plain rounds slowed by every prompt read beside them."""

@@ -276,8 +276,9 @@ def test_pipelined_plain_rounds_equal_synchronous_ones(dense_dir):
 def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense_dir):
     # A plain round in flight when a prompt's chunk is read lands after the chunk: its
     # time must end where it had run, or the guard and the cost table see plain rounds
-    # slowed by every prompt read beside them. A clock that moves 1 s per prefill forward
-    # and 1 ms per round shows which is counted.
+    # slowed by every prompt read beside them. A clock that moves 1 ms per round's forward
+    # and 1 s as a prefill is evaluated (when its state is handed to mx.eval) shows which
+    # is counted.
     now = [0.0]
 
     def clock():
@@ -288,11 +289,21 @@ def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense
     target = loaded.target
     forward = target.forward
 
+    reading = [False]
+    state_arrays = target.state_arrays
+
     def timed_forward(lanes, tokens, **kwargs):
-        now[0] += 1.0 if kwargs.get("logits") == "last" else 1e-3
+        reading[0] = kwargs.get("logits") == "last"
+        now[0] += 0.0 if reading[0] else 1e-3
         return forward(lanes, tokens, **kwargs)
 
-    target.forward = timed_forward
+    def timed_state_arrays():
+        if reading[0]:
+            now[0] += 1.0
+            reading[0] = False
+        return state_arrays()
+
+    target.forward, target.state_arrays = timed_forward, timed_state_arrays
     rounds = RoundRunner(target, clock=clock)
     seconds = []
     account = rounds._account
