@@ -424,9 +424,10 @@ class RoundRunner:
         return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))
 
     def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> dict[int, list[int]]:
-        """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw and
-        calibrated chances, and the problem of a lane whose proposal is unusable (none of
-        its drafts is kept). Returns the usable drafts it read, by lane id."""
+        """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw
+        confidences (and, read before pricing, calibrated chances), and the problem of a
+        lane whose proposal is unusable (none of its drafts is kept). Returns the usable
+        drafts it read, by lane id."""
         problems = self.drafter.validate(proposal)
         tokens = proposal.tokens.tolist()
         confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * self.proposals] * len(tokens)
@@ -434,8 +435,9 @@ class RoundRunner:
         for lane, draft in zip(drafting, drafts):
             if draft.row is None:
                 continue
-            draft.tokens, draft.raw, draft.problem = tokens[draft.row], confidences[draft.row], problems[draft.row]
-            draft.chances, draft.row = chain_chances(self.calibrator.calibrate(draft.raw)), None
+            draft.tokens, draft.raw, draft.problem, draft.row = tokens[draft.row], confidences[draft.row], problems[draft.row], None
+            if self.price_live:  # read before pricing: priced from its calibrated confidences
+                draft.chances = chain_chances(self.calibrator.calibrate(draft.raw))
             if draft.problem is not None:
                 lane.stats.errors.append(str(draft.problem))
                 log.warning("lane %s: %s; none of its drafts is kept", lane.id, draft.problem)
