@@ -70,14 +70,14 @@ class PromptLookupDrafter:
 
     def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> LookupProposal:
         g = width or self.width
-        tokens, confidences = [], []
+        tokens, scores = [], []  # given whether asked for or not: they cost nothing here
         for lane, anchor in zip(lanes, anchors):
             found = self.lookup(self._history[lane.slot] + [anchor], g)
             tokens.append(found + [0] * (g - len(found)))
-            confidences.append([1.0] * len(found) + [0.0] * (g - len(found)))
+            scores.append([1.0] * len(found) + [0.0] * (g - len(found)))
         tokens_arr = mx.array(tokens, dtype=mx.int32)
         peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0) if chain_logits else None
-        return LookupProposal(tokens_arr, mx.array(confidences, dtype=mx.float32), peaked)
+        return LookupProposal(tokens_arr, mx.array(scores, dtype=mx.float32), peaked)
 
     def lookup(self, sequence: list[int], g: int) -> list[int]:
         """Up to g tokens that followed the latest earlier match of the longest suffix."""

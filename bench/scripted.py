@@ -154,7 +154,7 @@ class ScriptedDrafter:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.
         real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences)
         g = real.tokens.shape[1]
-        tokens, confidences = [], []
+        tokens, scores = [], []  # the profile's chances stand for the confidences, cheap to give either way
         for lane, anchor in zip(lanes, anchors):
             history = self._history[lane.slot]
             n = len(history) + 1  # tokens up to and including the anchor
@@ -163,8 +163,8 @@ class ScriptedDrafter:
             draws = np.random.default_rng([self.seed, n, *history[-3:], anchor]).random(g)
             survived = np.cumprod(draws < np.array(chances)).astype(bool)
             tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
-            confidences.append(chances)
-        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(confidences, dtype=mx.float32), real)
+            scores.append(chances)
+        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(scores, dtype=mx.float32), real)
 
     def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
         """The recorded tokens after history + anchor (token 0 past the recording)."""
