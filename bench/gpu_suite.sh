@@ -12,8 +12,9 @@
 #   engine    bench_engine, scripted acceptance at the published
 #             profile, 1/4/8/16 streams                               -> engine.{json,md}, engine.log.gz
 #   long      bench_engine, acceptance falling with context, 4K to
-#             126K tokens, guards on, 20 alternations (each prompt
-#             read once per engine, then restored)                    -> engine-long.{json,md}, engine-long.log.gz
+#             126K tokens, guards on, runs of 1024 tokens (about 5 s
+#             at 126K), 10 alternations (each prompt read once per
+#             engine, then restored)                    -> engine-long.{json,md}, engine-long.log.gz
 #   upkeep    bench_upkeep, 2.6B shape at 32K context                 -> upkeep.{json,md}
 #   prefix    bench_prefix_cache, 2.6B shape: an 8-turn chat to 4K
 #             tokens, cache on and off                                -> gpu-prefix-cache-2.6b.{json,md}
@@ -72,7 +73,7 @@ engine)
 long)
   checkpoints_2_6b
   step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name engine-long \
-    --streams '' --long-contexts 4096,32768,126000 --long-alternations 20 --long-gen-tokens 256 --long-prompt-cache \
+    --streams '' --long-contexts 4096,32768,126000 --long-alternations 10 --long-gen-tokens 1024 --long-prompt-cache \
     --log "$out/engine-long.log"
   gzip -f "$out/engine-long.log"
   ;;
