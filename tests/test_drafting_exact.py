@@ -178,9 +178,9 @@ class PoisonedDrafter(ScriptedDrafter):
         super().__init__(*args, **kwargs)
         self.poisoned_slot = poisoned_slot
 
-    def append(self, lanes, taps, tokens, bucket_rows=False):
-        taps = [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
-        super().append(lanes, taps, tokens, bucket_rows)
+    def append(self, lanes, taps, tokens, bucket_rows=False, ahead=None):
+        poison = lambda rows: [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, rows)]
+        super().append(lanes, poison(taps), tokens, bucket_rows, ahead and poison(ahead))
 
 
 @pytest.mark.parametrize("config", [dict(draft_width=6), dict(price_live=True), dict(price_live=False)],
