@@ -1,7 +1,7 @@
 """The embedded default: does its trained drafter get accepted, and does drafting pay?
 
     python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled] [--log FILE]
-        [--cells 6] [--repeats 1] [--beside-read-first]
+        [--cells 6] [--repeats 1]
 
 On the held-out prompts of bench/default_prompts.json (chat questions on held-out
 dictionary and jargon entries, openings of held-out paragraphs), greedy (or, with
@@ -18,11 +18,6 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
   holds a like mix of chat and text; each pass over them with `--repeats` its own), each
   engine's tok/s over a cell taken against plain's over the same cell, reported as the
   median [min-max] of those ratios.
-
-`--beside-read-first` adds the fixed-width and the default engine with
-`EngineConfig(draft_ahead=False)` (`*_read_first`): each round's proposal built only
-after the round before is read, as before proposals were launched during the verify,
-alternated with the rest.
 
 Every drafted output is checked against the plain one. `--log FILE` writes the lane
 core's debug log (every round and guard decision), each engine's run of each prompt
@@ -81,9 +76,9 @@ def run(args) -> dict:
     dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
     width = args.width or dspark.width + 1
 
-    def engine(drafter=None, draft_width=None, prompt_lookup=0, draft_ahead=True):
+    def engine(drafter=None, draft_width=None, prompt_lookup=0):
         e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
-                   EngineConfig(max_streams=1, draft_width=draft_width, prompt_lookup=prompt_lookup, draft_ahead=draft_ahead))
+                   EngineConfig(max_streams=1, draft_width=draft_width, prompt_lookup=prompt_lookup))
         if drafter is not None and draft_width is None:
             e.warm_up()
         return e
@@ -95,9 +90,6 @@ def run(args) -> dict:
         "dspark_lookup_priced": engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP),
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
     }
-    if args.beside_read_first:
-        engines["dspark_fixed_read_first"] = engine(dspark, width, draft_ahead=False)
-        engines["dspark_lookup_priced_read_first"] = engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP, draft_ahead=False)
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
     defaults = generation_defaults(args.model) if args.sampled else {}
     samplings = [SamplingParams(**defaults, seed=1000 + i if defaults else None) for i in range(len(prompts))]
@@ -176,8 +168,6 @@ def main() -> None:
     p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
     p.add_argument("--cells", type=int, default=6, help="cells the prompts are dealt into in turn, whose ratios give the spread")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each pass its own cells)")
-    p.add_argument("--beside-read-first", action="store_true",
-                   help="also run the fixed-width and default engines proposing only after each round is read")
     args = p.parse_args()
     if not 1 <= args.cells <= len(json.loads(PROMPTS.read_text())["prompts"]) or args.repeats < 1:
         p.error("--cells must be within 1..the number of prompts and --repeats at least 1")

@@ -3,7 +3,7 @@
     python -m bench.bench_engine --model DIR --drafter DIR --out bench/results/NAME
         [--streams 1,4,8,16] [--prompt-tokens 256] [--gen-tokens 128] [--alternations 3]
         [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--long-alternations 1]
-        [--long-prompt-cache] [--beside-read-first] [--log FILE]
+        [--long-prompt-cache] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
 wrapped in the scripted-acceptance drafter (bench/scripted.py, measurement only): it
@@ -26,10 +26,7 @@ For each stream count: N distinct prompts; plain and drafted runs alternate
 its prompt until all finish) gives aggregate tokens per second; the ratio reported is
 the median over alternations of a drafted run's to the plain run's before it. Drafted
 windows are priced and the guards decide each round, as in serving. Every drafted run's
-tokens are checked against the plain run's. `--beside-read-first` runs a third engine
-after each drafted run, the same drafting with `EngineConfig(draft_ahead=False)` (each
-proposal built after the round before is read), its ratio taken against the same plain
-run. Writes NAME.json and NAME.md (`--name`, default
+tokens are checked against the plain run's. Writes NAME.json and NAME.md (`--name`, default
 engine) under --out,
 each with its command, commit and machine; `--log` writes every round and every guard decision (the lane core's debug log) to FILE.
 
@@ -44,7 +41,6 @@ conv states a cache needs at every block boundary (one copy each 64 tokens), ali
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -106,22 +102,11 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     }
 
 
-def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternations: int, beside: Engine | None = None) -> dict:
-    """Plain and drafted runs alternated; with `beside`, a second drafted engine runs after
-    each drafted run, its results under "beside"."""
-    plain_runs, drafted_runs, beside_runs = [], [], []
+def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternations: int) -> dict:
+    plain_runs, drafted_runs = [], []
     for _ in range(alternations):
         plain_runs.append(decode_run(plain, prompts, gen))
         drafted_runs.append(decode_run(drafted_engine, prompts, gen))
-        if beside is not None:
-            beside_runs.append(decode_run(beside, prompts, gen))
-    result = summary(plain_runs, drafted_runs)
-    if beside is not None:
-        result["beside"] = summary(plain_runs, beside_runs)
-    return result
-
-
-def summary(plain_runs: list[dict], drafted_runs: list[dict]) -> dict:
     exact = all(d["tokens"] == plain_runs[0]["tokens"] for d in drafted_runs)
     plain_tps = statistics.median(r["tok_s"] for r in plain_runs)
     drafted_tps = statistics.median(r["tok_s"] for r in drafted_runs)
@@ -153,16 +138,13 @@ def run(args) -> dict:
         streams = Setup(args, max(args.streams))
         prompts = {n: streams.prompts(rng, n, args.prompt_tokens) for n in args.streams}
         recorded = {n: decode_run(streams.plain, ps, args.gen_tokens)["tokens"] for n, ps in prompts.items()}
-        sequences = [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])]
-        drafted = streams.scripted(published_profile(), sequences)
-        read_first = streams.scripted(published_profile(), sequences, draft_ahead=False) if args.beside_read_first else None
+        drafted = streams.scripted(published_profile(), [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])])
         for n in args.streams:
-            r = compare(streams.plain, drafted, prompts[n], args.gen_tokens, args.alternations, read_first)
+            r = compare(streams.plain, drafted, prompts[n], args.gen_tokens, args.alternations)
             result["streams"][n] = r
             print(f"streams {n}: plain {r['plain_tok_s']:.1f} tok/s, drafted {r['drafted_tok_s']:.1f} tok/s, "
-                  f"ratio {r['ratio']:.2f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}"
-                  + (f", read first {r['beside']['ratio']:.2f}" if read_first else ""), flush=True)
-        del streams, drafted, read_first
+                  f"ratio {r['ratio']:.2f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
+        del streams, drafted
 
     if args.long_contexts:
         # Its own target with few lane slots: the KV pools hold every slot at the longest context.
@@ -216,11 +198,10 @@ class Setup:
         high = min(self.loaded.target.vocab_size, 4000)
         return [[int(t) for t in rng.integers(20, high, length)] for _ in range(count)]
 
-    def scripted(self, profile, sequences, draft_ahead: bool = True) -> Engine:
+    def scripted(self, profile, sequences) -> Engine:
         target = self.loaded.target
         drafter = ScriptedDrafter(self.real, sequences, profile, target.vocab_size)
-        engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter,
-                        dataclasses.replace(self.config(), draft_ahead=draft_ahead))
+        engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter, self.config())
         engine.warm_up()
         return engine
 
@@ -234,14 +215,11 @@ def markdown(result: dict) -> str:
     if result["streams"]:
         lines += ["", (f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
                   f"{result['gen_tokens']} generated per stream, {result['alternations']} alternations:"), "",
-                  "| streams | plain tok/s | drafted tok/s | drafted / plain [min-max] | exact | drafted rounds | accepted per drafted round |",
+                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |",
                   "|---:|---:|---:|---:|:---:|---:|---:|"]
     for n, r in result["streams"].items():
-        for label, row in [("", r), (" (read first)", r.get("beside"))]:
-            if row is not None:
-                lines.append(f"| {n}{label} | {r['plain_tok_s']:.1f} | {row['drafted_tok_s']:.1f} | {row['ratio']:.2f}x "
-                             f"[{min(row['ratios']):.2f}-{max(row['ratios']):.2f}] | {row['exact']} | "
-                             f"{row['drafted_round_share']:.0%} | {row['mean_accepted_per_drafted_round']:.2f} |")
+        lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
+                     f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |")
     if result["long_context"]:
         lines += ["", ("Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on, "
                   f"{result['long_gen_tokens']} generated per run, {result['long_alternations']} alternations"
@@ -264,9 +242,6 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=128)
     p.add_argument("--alternations", type=int, default=3)
-    p.add_argument("--beside-read-first", action="store_true",
-                   help="also run the drafted engine proposing only after each round is read (EngineConfig.draft_ahead off), "
-                        "after each drafted run, for the stream counts")
     p.add_argument("--long-contexts", type=ints, default=[])
     p.add_argument("--long-streams", type=int, default=1)
     p.add_argument("--long-gen-tokens", type=int, default=64)
@@ -283,7 +258,6 @@ def main() -> None:
     result = run(args)
     for r in [*result["streams"].values(), *result["long_context"].values()]:
         r.pop("tokens", None)
-        r.get("beside", {}).pop("tokens", None)
     write_result(args.out, args.name, result, markdown(result))
     print(markdown(result))
 

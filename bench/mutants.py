@@ -231,22 +231,6 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("lanes/guard.py", "        if not drafting:\n", "        if not drafting or loser.weight < STALE_WEIGHT:\n"),),
         ("tests/test_guard.py",),
     ),
-    Mutant(
-        "ahead-anchor-not-advanced",
-        "a proposal launched while the verify runs drafts after the round's first choice, not after the kept drafts: "
-        "still exact, but it drafts the wrong continuation",
-        (Edit("lanes/round.py", "anchors = choices[mx.array(starts, dtype=mx.int32) + kept]", "anchors = choices[mx.array(starts, dtype=mx.int32)]"),),
-        ("tests/test_default_model.py", "tests/test_drafter.py"),
-    ),
-    Mutant(
-        "ahead-context-without-unkept-mask",
-        "a proposal launched ahead counts every row written ahead as context, kept or not",
-        (Edit("families/lfm2/drafter/runtime.py", "offsets_array=mx.array(lengths, dtype=mx.int32) + kept,",
-              "offsets_array=mx.array(lengths, dtype=mx.int32) + lanes_ahead,"),
-         Edit("families/lfm2/drafter/runtime.py", "        if kept is None:\n            layout",
-              "        lanes_ahead = mx.array([lane.ahead for lane in lanes], dtype=mx.int32)\n        if kept is None:\n            layout")),
-        ("tests/test_drafter.py", "tests/test_default_model.py"),
-    ),
 )
 
 

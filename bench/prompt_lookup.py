@@ -33,7 +33,6 @@ class LookupProposal:
 class PromptLookupDrafter:
     # The engine keeps taps for drafting lanes; the cheapest layer's are asked for and ignored.
     tap_layers = (0,)
-    writes_ahead = False  # its proposals are looked up in tokens the host has read
 
     def __init__(self, vocab_size: int, width: int, max_ngram: int = 3, max_lanes: int = 16):
         self.vocab_size = vocab_size

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -68,39 +68,19 @@ def falling_with_context_profile() -> SurvivalProfile:
     return SurvivalProfile(context_points=((4096, 0.88), (131072, 0.39)))
 
 
+@dataclass
 class ScriptedProposal:
-    """The real forward's proposal (evaluated and validated as the lane core asks), with
-    drafts and confidences made on the host when first read: a proposal launched ahead of
-    the round that decides its lanes' tokens is read only after that round is."""
-
-    def __init__(self, real, script: Callable[[], tuple[list[list[int]], list[list[float]]]]):
-        self.real = real
-        self._script = script
-        self._scripted: tuple[mx.array, mx.array] | None = None
-
-    def _drafts(self) -> tuple[mx.array, mx.array]:
-        if self._scripted is None:
-            tokens, scores = self._script()
-            self._scripted = mx.array(tokens, dtype=mx.int32), mx.array(scores, dtype=mx.float32)
-        return self._scripted
-
-    @property
-    def tokens(self) -> mx.array:
-        return self._drafts()[0]
-
-    @property
-    def confidences(self) -> mx.array:
-        return self._drafts()[1]
+    tokens: mx.array
+    confidences: mx.array
+    real: object  # the real forward's proposal: evaluated with this one, and validated
 
     def arrays(self) -> list[mx.array]:
-        return self.real.arrays()  # the scripted drafts are made on the host, never lazy
+        return [self.tokens, self.confidences, *self.real.arrays()]
 
 
 class ScriptedDrafter:
     """Wraps a drafter; `sequences` are whole plain-run token sequences (prompt +
     continuation), one per prompt the benchmark sends; `record` adds one later."""
-
-    writes_ahead = True  # the real drafter's forward runs ahead; the drafts are scripted when read
 
     def __init__(self, drafter, sequences: Sequence[Sequence[int]], profile: SurvivalProfile, vocab_size: int, seed: int = 0):
         self.drafter = drafter
@@ -154,14 +134,10 @@ class ScriptedDrafter:
         self._match.pop(lane.slot, None)
         self.drafter.close_lane(lane)
 
-    def append(self, lanes, taps, tokens, bucket_rows: bool = False, ahead=None) -> None:
-        self.drafter.append(lanes, taps, tokens, bucket_rows, ahead)
+    def append(self, lanes, taps, tokens, bucket_rows: bool = False) -> None:
+        self.drafter.append(lanes, taps, tokens, bucket_rows)
         for lane, ids in zip(lanes, tokens):
             self._history[lane.slot] += ids
-
-    def keep(self, lane, tokens) -> None:
-        self.drafter.keep(lane, tokens)
-        self._history[lane.slot] += tokens
 
     def context_rows(self, lane, start: int, end: int):
         return self.drafter.context_rows(lane, start, end)
@@ -174,43 +150,21 @@ class ScriptedDrafter:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
         return self.drafter.validate(proposal.real)
 
-    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True, kept=None) -> ScriptedProposal:
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> ScriptedProposal:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.
-        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences, kept=kept)
+        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences)
         g = real.tokens.shape[1]
-        slots = [lane.slot for lane in lanes]
-        # Anchors still on the device (a proposal launched ahead) are the target's own
-        # tokens: the recorded sequence's next one, once the lane's history is read.
-        known = None if isinstance(anchors, mx.array) else list(anchors)
-
-        def script():
-            tokens, scores = [], []  # the profile's chances stand for the confidences, cheap to give either way
-            for i, slot in enumerate(slots):
-                history = self._history.get(slot)
-                if history is None:  # the lane ended before its proposal was read: a row nobody reads
-                    tokens.append([0] * g)
-                    scores.append([0.0] * g)
-                    continue
-                anchor = self._next_recorded(slot, history) if known is None else known[i]
-                n = len(history) + 1  # tokens up to and including the anchor
-                truth = self._continuation(slot, history, anchor, g)
-                chances = self.profile.at(n, g)
-                draws = np.random.default_rng([self.seed, n, *history[-3:], anchor]).random(g)
-                survived = np.cumprod(draws < np.array(chances)).astype(bool)
-                tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
-                scores.append(chances)
-            return tokens, scores
-
-        return ScriptedProposal(real, script)
-
-    def _next_recorded(self, slot: int, history: list[int]) -> int:
-        """The token a recorded sequence holds after `history` (0 where none continues it)."""
-        n = len(history)
-        index = self._match.get(slot)
-        if index is not None and len(self._sequences[index]) > n + 1 and self._sequences[index][n - 1 : n] == history[-1:]:
-            return self._sequences[index][n]
-        found = next((seq[n] for seq in self._sequences if len(seq) > n + 1 and seq[:n] == history), None)
-        return 0 if found is None else found
+        tokens, scores = [], []  # the profile's chances stand for the confidences, cheap to give either way
+        for lane, anchor in zip(lanes, anchors):
+            history = self._history[lane.slot]
+            n = len(history) + 1  # tokens up to and including the anchor
+            truth = self._continuation(lane.slot, history, anchor, g)
+            chances = self.profile.at(n, g)
+            draws = np.random.default_rng([self.seed, n, *history[-3:], anchor]).random(g)
+            survived = np.cumprod(draws < np.array(chances)).astype(bool)
+            tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
+            scores.append(chances)
+        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(scores, dtype=mx.float32), real)
 
     def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
         """The recorded tokens after history + anchor (token 0 past the recording)."""

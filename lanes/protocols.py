@@ -81,28 +81,18 @@ Pick = Callable[[mx.array, int], mx.array]  # (chain logits [N, V] of block row 
 class Drafter(Protocol):
     tap_layers: tuple[int, ...]  # the target layers whose residuals it reads
     width: int  # default proposals per round
-    # Whether a proposal can be launched before the round that decides its lanes' contexts
-    # is read: `append(..., ahead=rows)` writes rows not yet counted, `keep` counts them,
-    # `propose(..., kept=counts)` takes lazy counts and anchors (see DSparkDrafter).
-    writes_ahead: bool
 
     def open_lane(self) -> LaneCache: ...
     def close_lane(self, lane: LaneCache) -> None: ...
 
-    def append(self, lanes: list[LaneCache], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False,
-               ahead: list[mx.array] | None = None) -> None:
-        """Add newly committed rows (their taps and token ids) to each lane's context,
-        and with `ahead` (where `writes_ahead`) rows after them not counted yet."""
+    def append(self, lanes: list[LaneCache], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
+        """Add newly committed rows (their taps and token ids) to each lane's context."""
 
-    def keep(self, lane: LaneCache, tokens: list[int]) -> None:
-        """Count the lane's first rows written ahead, those of the committed `tokens`."""
-
-    def propose(self, lanes: list[LaneCache], anchors: list[int] | mx.array, width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True, confidences: bool = True, kept: mx.array | None = None) -> Proposal:
+    def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
         """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward
         (`chain_logits=False`: without the chain's [N, g, V] logits; `confidences=False`:
-        the caller will not read the confidences, which may then be None; `kept`: each
-        lane's context is its length and that many of its rows written ahead, lazily)."""
+        the caller will not read the confidences, which may then be None)."""
 
     def validate(self, proposal: Proposal) -> list[Exception | None]:
         """Per lane: None when its drafts may be verified, else the error that makes its round plain."""

@@ -7,10 +7,7 @@ one target forward, accept per lane, commit (KV trim, conv rebuild, drafter cont
 append of anchor + accepted rows), emit, and record what the round cost.
 
 A drafted round reads the device once: the drafter's proposal flows into the verify
-forward on the device and is read with the target's choices. While that verify runs,
-the next round's proposal is built and launched from what the device counts as kept
-(`DraftAhead`), so the drafter's host work hides the verify's device time; the next
-round takes it for the lanes whose counts the host then reads the same. Pricing cannot see
+forward on the device and is read with the target's choices. Pricing then cannot see
 this round's confidences, so it prices the drafter's windows by counted survival per
 position instead (and the drafter leaves its confidences out); where a verify's cost
 grows with its rows (`price_live`, by default where shapes are not padded to steady
@@ -27,7 +24,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .acceptance import accept_lengths
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
@@ -113,20 +109,6 @@ class Draft:
 
 
 @dataclass
-class DraftAhead:
-    """The next round's proposal, launched while this round's verify runs: each lane's
-    drafter context holds this round's rows up to what the device counts as kept
-    (`accepted`, written ahead, see `Drafter.append`), and the lane's anchor is the
-    device's choice after them. A lane may take it once the host reads the same count."""
-
-    lanes: list[Lane]  # the proposal's rows
-    proposal: object
-    accepted: mx.array  # [N] drafts kept by every lane of the round, as the device counted them (read with the round)
-    seconds: float  # the host's part of building and launching it
-    confirmed: set[int] = field(default_factory=set)  # ids of the lanes whose count the host read the same
-
-
-@dataclass
 class RoundReport:
     """What one round did, for metrics and logs."""
 
@@ -137,7 +119,7 @@ class RoundReport:
     seconds: float
     drafting_lanes: int = 0
     looked_up_lanes: int = 0  # lanes that verified drafts looked up in their own tokens, not drafted
-    draft_seconds: float = 0.0  # host time spent drafting, the next round's proposal launched ahead included
+    draft_seconds: float = 0.0
     proposed_per_position: list[int] = field(default_factory=list)  # verified drafts at position k
     accepted_per_position: list[int] = field(default_factory=list)
     decision: GuardDecision | None = None
@@ -150,13 +132,11 @@ class RoundRunner:
     take a proposal looked up in its own tokens (a match of at least n tokens) where it
     is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter.
     `price_live` prices each round's windows from the drafter's confidences, read before
-    the verify (a second host sync); None: where shapes are not kept steady.
-    `draft_ahead` launches the next round's proposal while a verify runs, where the
-    drafter can (`writes_ahead`) and every lane it drafts for takes the argmax."""
+    the verify (a second host sync); None: where shapes are not kept steady."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
                  costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None,
-                 prompt_lookup: int = 0, price_live: bool | None = None, draft_ahead: bool = True):
+                 prompt_lookup: int = 0, price_live: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
@@ -172,8 +152,6 @@ class RoundRunner:
         # confidences would buy little for their sync.
         self.price_live = draft_width is None and (not self.steady_shapes if price_live is None else price_live)
         self._inflight: PlainDispatch | None = None
-        self.draft_ahead = draft_ahead and drafter is not None and drafter.writes_ahead and not self.price_live
-        self._ahead: DraftAhead | None = None
         self._last_landing = 0.0
         check_min_ngram(prompt_lookup)
         self.prompt_lookup = prompt_lookup if drafter is not None else 0
@@ -248,7 +226,6 @@ class RoundRunner:
             if not decision.draft:
                 eligible = []
         if not eligible:
-            self._ahead = None
             return self._plain(lanes, decision, context)
         # Drafting needs every lane's tokens on the host: land the round in flight first.
         events = self._land_inflight()
@@ -262,7 +239,7 @@ class RoundRunner:
 
     def idle(self) -> None:
         """No lane decodes any more: drop a round still in flight (its lanes all ended)."""
-        self._inflight = self._ahead = None
+        self._inflight = None
 
     def _account(self, report: RoundReport, decision: GuardDecision | None, context: int) -> None:
         report.decision = decision
@@ -408,12 +385,8 @@ class RoundRunner:
         draft_seconds = self.clock() - started
         depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
-        ahead = self._drafts_ahead(lanes, drafts)
-        out, outcomes, ahead = self._verify(lanes, windows, drafting, drafts, proposal, ahead)
-        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes, ahead)
-        self._ahead = ahead
-        if ahead is not None:  # the next round's drafting, paid in this one
-            draft_seconds += ahead.seconds
+        out, outcomes = self._verify(lanes, windows, drafting, drafts, proposal)
+        events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
                              sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at)
@@ -426,16 +399,10 @@ class RoundRunner:
         unread, priced by counted chances, with the proposal they are in (None where
         nothing is unread). With `price_live` it is read here instead."""
         g = self.proposals
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and not all(id(lane) in ahead.confirmed for lane in drafting):
-            ahead = None
-        looked = self._looked_up(lanes, drafting, drafter_paid=ahead is not None)
+        looked = self._looked_up(lanes, drafting)
         asked = [lane for lane in drafting if id(lane) not in looked]
         if not asked:
             return [looked[id(lane)] for lane in drafting], None
-        if ahead is not None:  # launched while the last round's verify ran
-            row = {id(lane): i for i, lane in enumerate(ahead.lanes)}
-            return [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting], ahead.proposal
         began = self.clock()
         self.fold_pending(asked, launch=False)  # launched with the proposal that reads it
         # Verification compares tokens only: the chain's float32 logits are never read, and
@@ -478,12 +445,11 @@ class RoundRunner:
                 read[id(lane)] = draft.tokens
         return read
 
-    def _looked_up(self, lanes: list[Lane], drafting: list[Lane], drafter_paid: bool = False) -> dict[int, Draft]:
+    def _looked_up(self, lanes: list[Lane], drafting: list[Lane]) -> dict[int, Draft]:
         """The drafting lanes (by id) whose looked-up proposal is worth more than the
         drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
         the sum of its chain chances and T the verify round's time, plus the drafter's
-        forward for the drafter, which only a round where every lane looks up saves
-        (none where it ran ahead, `drafter_paid`).
+        forward for the drafter, which only a round where every lane looks up saves.
         The drafter's E is its recent mean yield; until it has one, a lookup is taken
         where it expects to keep a draft (E >= 1): it costs nothing to propose, and the
         drafter gets the lanes without a match."""
@@ -506,8 +472,6 @@ class RoundRunner:
             verify_seconds = self.costs.estimate(len(lanes) * (1 + self.proposals), len(lanes), max(lane.context for lane in lanes))
             saving = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
         except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
-            saving = 1.0
-        if drafter_paid:
             saving = 1.0
         if len(candidates) == len(drafting) and all(better(d, saving) for d in candidates.values()):
             return candidates  # no lane drafts: the drafter's forward is saved
@@ -561,20 +525,9 @@ class RoundRunner:
             windows.append(Window(lane.request.sampling, lane.seed, lane.position, depth, lane.request.logprobs, known))
         return windows
 
-    def _drafts_ahead(self, lanes: list[Lane], drafts: list[Draft]) -> bool:
-        """Whether this round launches the next one's proposal (see DraftAhead): where the
-        drafter drafted this round (a round of lookups alone would waste it) and every lane
-        it may draft for takes the argmax (a sampled pick draws with the position's noise,
-        which waits on the count)."""
-        return (self.draft_ahead and any(d.ngram == 0 and not d.problem for d in drafts)
-                and all(lane.request.sampling.greedy and lane.request.sampling.repetition_penalty == 1.0
-                        for lane in lanes if lane.drafter_slot is not None))
-
-    def _verify(self, lanes: list[Lane], windows: list[Window], drafting: list[Lane], drafts: list[Draft], proposal,
-                ahead: bool = False):
+    def _verify(self, lanes: list[Lane], windows: list[Window], drafting: list[Lane], drafts: list[Draft], proposal):
         """One target forward over every lane's rows, and each lane's outcome, read in one
-        host sync with the drafter's `proposal` where it is still unread; with `ahead`,
-        the next round's proposal is launched before that sync (see DraftAhead).
+        host sync with the drafter's `proposal` where it is still unread.
 
         Every lane feeds the same number of rows, padded past its window: rows after a
         lane's window are never kept, never seen by its real rows (they sit at later
@@ -587,41 +540,13 @@ class RoundRunner:
         out = self.target.forward([lane.target_slot for lane in lanes], fed, widths=widths,
                                   taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET)
         choices = row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
-        read_now = [*choices.arrays(), *(proposal.arrays() if proposal is not None else ())]
-        launched = None
-        if ahead:
-            accepted = accept_lengths(fed, choices.choices, out.row_starts, [w.depth for w in windows])
-            read_now.append(accepted)
-            mx.async_eval(*read_now, out.taps)  # the verify runs while the next proposal is built
-            launched = self._draft_ahead(lanes, out, choices.choices, accepted)
-        mx.eval(*read_now)
+        mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
         if proposal is not None:
             read = self._read(proposal, drafting, drafts)
             for lane, w in zip(lanes, windows):
                 if id(lane) in read:
                     w.drafts = read[id(lane)][: w.depth]
-        return out, choices.accept(), launched
-
-    def _draft_ahead(self, lanes: list[Lane], out, choices: mx.array, accepted: mx.array) -> DraftAhead:
-        """Write this round's rows into every drafting-capable lane's drafter context
-        ahead of its count (pending rows first), and launch the next round's proposal
-        from each lane's count and anchor as the device knows them."""
-        began = self.clock()
-        capable = [(i, lane) for i, lane in enumerate(lanes) if lane.drafter_slot is not None]
-        index = mx.array([i for i, _ in capable], dtype=mx.int32)
-        starts = [out.row_starts[i] for i, _ in capable]
-        pending = [mx.concatenate(lane.pending_taps) if lane.pending_taps else out.taps[:0] for _, lane in capable]
-        rows = [out.taps[start : start + out.widths[i]] for start, (i, _) in zip(starts, capable)]
-        slots = [lane.drafter_slot for _, lane in capable]
-        self.drafter.append(slots, pending, [lane.pending_tokens for _, lane in capable], bucket_rows=self.steady_shapes, ahead=rows)
-        for _, lane in capable:
-            lane.pending_taps, lane.pending_tokens = [], []
-        kept = accepted[index]
-        anchors = choices[mx.array(starts, dtype=mx.int32) + kept]
-        proposal = self.drafter.propose(slots, anchors, self.proposals, None, chain_logits=False, confidences=False, kept=kept + 1)
-        mx.async_eval(*proposal.arrays(), *self.drafter.state_arrays())
-        self._draft_seconds = self.clock() - began
-        return DraftAhead([lane for _, lane in capable], proposal, accepted, self._draft_seconds)
+        return out, choices.accept()
 
     def _fed_rows(self, lanes: list[Lane], windows: list[Window], widths: list[int], drafting: list[Lane],
                   drafts: list[Draft], proposal) -> mx.array:
@@ -662,28 +587,19 @@ class RoundRunner:
         return mark(seen, rows, fed[mx.array(fed_index, dtype=mx.int32)]) if rows else seen
 
     def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], drafts: list[Draft],
-                out, outcomes, ahead: DraftAhead | None) -> tuple[list, list[int], list[int]]:
+                out, outcomes) -> tuple[list, list[int], list[int]]:
         """Keep each lane's accepted rows (KV trimmed, conv state rebuilt, taps queued for
-        the drafter, or counted where they were written ahead), emit its tokens, and
-        learn from the outcome (calibration, lookup chances, the drafter's yield, stats)."""
+        the drafter), emit its tokens, and learn from the outcome (calibration, lookup
+        chances, the drafter's yield, stats)."""
         self.target.commit(out, [1 + o.accepted for o in outcomes])
         mx.async_eval(self.target.state_arrays())  # the next round builds while this lands
         draft_of = {id(lane): d for lane, d in zip(drafting, drafts)}
-        counted = {}
-        if ahead is not None:  # read with the round: the proposal launched after it is not awaited
-            written = {id(lane) for lane in ahead.lanes}
-            counted = {id(lane): n for lane, n in zip(lanes, ahead.accepted.tolist()) if id(lane) in written}
         events = []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
-            kept = [lane.anchor] + window.drafts[: outcome.accepted]
-            if id(lane) in counted:
-                self.drafter.keep(lane.drafter_slot, kept)
-                if counted[id(lane)] == outcome.accepted:
-                    ahead.confirmed.add(id(lane))
-            elif lane.drafter_slot is not None:
+            if lane.drafter_slot is not None:
                 lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])
-                lane.pending_tokens += kept
+                lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
             lane.stats.rounds += 1
             depth = len(window.drafts)
             if depth:

@@ -262,34 +262,6 @@ def test_a_proposal_without_confidences_drafts_the_same(target, drafter_dir, pro
     assert bare.tokens.tolist() == full.tokens.tolist() and bare.faults.tolist() == full.faults.tolist()
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_a_proposal_over_rows_written_ahead_equals_one_after_the_read(target, drafter_dir, prompt_taps, compiled):
-    """Rows written ahead of their count (a round still being verified decides them),
-    `kept` of them counted on the device and the anchors still there: the proposal is
-    the one a drafter holding only the kept rows drafts. `keep` then leaves the context
-    as appending them would; the unkept rows, some past the next block, are never read."""
-    head = 2  # rows of each prompt committed before the round
-    kept = [1, 4, 7, 2]  # of 1, 6, 11 and 4 written ahead
-    ahead, lanes = drafter_with_context(drafter_dir, target, [t[:head] for t in prompt_taps])
-    ahead.compiled = compiled
-    ahead.append(lanes, [t[:0] for t in prompt_taps], [[] for _ in lanes], ahead=[t[head:] for t in prompt_taps])
-    read, read_lanes = drafter_with_context(drafter_dir, target, [t[: head + k] for t, k in zip(prompt_taps, kept)])
-    early = evaluated(ahead.propose(lanes, mx.array(ANCHORS, dtype=mx.int32), kept=mx.array(kept, dtype=mx.int32)))
-    after = evaluated(read.propose(read_lanes, ANCHORS))
-    np.testing.assert_array_equal(early[0], after[0])
-    np.testing.assert_allclose(early[1], after[1], rtol=0, atol=1e-4)  # spans and masks differ: float32 rounding
-    np.testing.assert_allclose(early[2], after[2], rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="written ahead"):
-        ahead.append(lanes[:1], [prompt_taps[0][:1]], [[0]])
-    with pytest.raises(ValueError, match="keeping 2 rows of 1"):
-        ahead.keep(lanes[0], [0, 0])
-    for lane, k in zip(lanes, kept):
-        ahead.keep(lane, [0] * k)
-    assert [lane.length for lane in lanes] == [lane.length for lane in read_lanes]
-    anchors = [9, 8, 7, 6]
-    np.testing.assert_array_equal(evaluated(ahead.propose(lanes, anchors))[0], evaluated(read.propose(read_lanes, anchors))[0])
-
-
 def test_proposing_never_grows_the_context(target, drafter_dir, prompt_taps):
     drafter, lanes = drafter_with_context(drafter_dir, target, prompt_taps)
     lengths = [lane.length for lane in lanes]

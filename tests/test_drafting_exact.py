@@ -27,7 +27,6 @@ from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
-from lanes.round import RoundRunner
 from lanes.sampling import SamplingParams, filtered_logprobs
 from tests.priced import (
     assert_drafted,
@@ -41,11 +40,10 @@ MAX_TOKENS = 40
 PRICED_WIDTH = 10  # the widest window priced rounds verify: the anchor and the drafter's block of 9
 
 
-def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False, price_live=None,
-               **config):
+def engine_for(path, drafter_dir=None, sequences=None, width=None, lanes=16, bits=None, steady_shapes=False, price_live=None):
     # Priced windows, drafted every round on any machine, where no width is fixed.
     return tiny_engine(path, drafter_dir, lanes, sequences, bits, draft_width=width, steady_shapes=steady_shapes,
-                       price_live=price_live, **config)
+                       price_live=price_live)
 
 
 def plain_runs(path, prompts, max_tokens=MAX_TOKENS):
@@ -111,45 +109,6 @@ def test_rounds_padded_to_steady_shapes_stay_exact(dense_dir, drafter_dir, plain
         assert_drafted(done[::2], *scripted_floors(plain[:4:2], width or PRICED_WIDTH))
 
 
-@pytest.mark.parametrize("steady", [False, True])
-def test_a_proposal_launched_before_the_read_changes_no_token_and_no_accept(steady, dense_dir, drafter_dir, plain, monkeypatch):
-    """The next round's proposal, launched while a verify runs from what the device
-    counts as kept (DraftAhead), is the one the round after the read would build: the
-    same tokens and the same drafts kept, round by round, lane by lane; and the rounds
-    do take it. With a sampled lane among them no round drafts ahead, and nothing
-    changes either."""
-    scripted = sequences_of(PROMPTS, plain)
-    taken = collections.Counter()
-    drafting_now = RoundRunner._draft
-
-    def counting(self, lanes, drafting):
-        ahead = self._ahead
-        drafts, proposal = drafting_now(self, lanes, drafting)
-        taken[ahead is not None and proposal is ahead.proposal] += 1
-        return drafts, proposal
-
-    monkeypatch.setattr(RoundRunner, "_draft", counting)
-    sampled = SamplingParams(temperature=0.8, seed=3)
-    for width in (3, 10, None):
-        for mixed in (False, True):
-            requests = lambda: [Request(p, MAX_TOKENS, sampled if mixed and i == 3 else SamplingParams(), draft=i != 1)
-                                for i, p in enumerate(PROMPTS[:4])]
-            runs = {}
-            for ahead in (True, False):
-                taken.clear()
-                engine = engine_for(dense_dir, drafter_dir, scripted, width, lanes=4, steady_shapes=steady, draft_ahead=ahead)
-                done = engine.generate(requests())
-                runs[ahead] = [(d.token_ids, d.draft.drafted_rounds, d.draft.accepted_per_round) for d in done]
-                if ahead and not (mixed or width is None and not steady):  # price_live reads proposals first
-                    assert taken[True] > 3 * taken[False], f"width {width}: {taken}"
-                if ahead and mixed:
-                    assert taken[True] == 0
-            assert runs[True] == runs[False], f"width {width}, mixed {mixed}"
-            if not mixed:
-                assert [r[0] for r in runs[True]] == plain[:4]
-                assert_drafted(done[::2], *scripted_floors(plain[:4:2], width or PRICED_WIDTH))
-
-
 def test_unscripted_drafter_is_exact_too(dense_dir, drafter_dir, plain, moe_dir, moe_drafter_dir):
     """The real (random) drafter's own proposals, mostly rejected: rollback at accept 0."""
     for width in (10, None):
@@ -178,9 +137,9 @@ class PoisonedDrafter(ScriptedDrafter):
         super().__init__(*args, **kwargs)
         self.poisoned_slot = poisoned_slot
 
-    def append(self, lanes, taps, tokens, bucket_rows=False, ahead=None):
-        poison = lambda rows: [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, rows)]
-        super().append(lanes, poison(taps), tokens, bucket_rows, ahead and poison(ahead))
+    def append(self, lanes, taps, tokens, bucket_rows=False):
+        taps = [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
+        super().append(lanes, taps, tokens, bucket_rows)
 
 
 @pytest.mark.parametrize("config", [dict(draft_width=6), dict(price_live=True), dict(price_live=False)],

@@ -470,8 +470,8 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     seen = {"looked_up": 0, "windows": 0, "timed": False}
     looked_up = runner._looked_up
 
-    def spy(lanes, drafting, **kwargs):
-        chosen = looked_up(lanes, drafting, **kwargs)
+    def spy(lanes, drafting):
+        chosen = looked_up(lanes, drafting)
         seen["looked_up"] += len(chosen)
         seen["windows"] = max(seen["windows"], len(runner._drafter_yield))
         seen["timed"] |= runner._draft_seconds is not None

@@ -72,10 +72,9 @@ class RaggedLayout:
     """
 
     def __init__(self, widths: list[int], offsets: list[int] | None, key_bucket: int = 1, *,
-                 offsets_array: mx.array | None = None, most: list[int] | None = None):
+                 offsets_array: mx.array | None = None):
         """`offsets` are each lane's first position, as host ints; a compiled segment
-        knows them only as `offsets_array` (traced), and attends no keys (no span)
-        unless `most` bounds them (offsets known on the device only)."""
+        knows them only as `offsets_array` (traced), and attends no keys (no span)."""
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
@@ -92,8 +91,7 @@ class RaggedLayout:
         # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
         # attention shapes steady from round to round, so a backend that builds kernels
         # or plans per shape builds them once per bucket, not once per round.
-        bound = self.offsets if most is None else most
-        self.span = None if bound is None else key_span(bound, self.width, key_bucket)
+        self.span = None if offsets is None else key_span(self.offsets, self.width, key_bucket)
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:
@@ -168,7 +166,6 @@ class LaneSlot:
     slot: int
     length: int = 0
     conv_at: dict[int, mx.array] = field(default_factory=dict)
-    ahead: int = 0  # rows written past `length` whose tokens a round still being verified decides
 
 
 class KVPool:
@@ -299,7 +296,7 @@ class SlotAllocator:
         if self._open.get(lane.slot) is not lane:
             raise RuntimeError(f"{self.owner} lane slot {lane.slot} is not open")
         del self._open[lane.slot]
-        lane.length = lane.ahead = 0
+        lane.length = 0
         lane.conv_at.clear()
         longest = max((other.length for other in self._open.values()), default=0)
         for pool in self.pools:

@@ -113,8 +113,6 @@ class DSparkDrafter:
     that token's target row), at that token's position; its length must equal the
     target's committed length. `propose` never grows it."""
 
-    writes_ahead = True  # append takes rows ahead of their count, propose a count on the device
-
     def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16, compiled: bool = True,
                  by_rows: bool | None = None):
         """`compiled`: context appends and proposals run as compiled functions, one trace
@@ -194,28 +192,18 @@ class DSparkDrafter:
         """Every pool array, to evaluate appended context together with a round's outputs."""
         return [a for pool in self.kv for a in (pool.keys, pool.values)]
 
-    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False,
-               ahead: list[mx.array] | None = None) -> None:
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
         """Add newly committed rows to each lane's context: `taps[i]` is
         `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), the
-        target's rows for the committed `tokens[i]`. `ahead[i]`: rows after those whose
-        tokens a round still being verified decides; they are written now and counted
-        only by `keep` (a proposal launched before the round is read reads them). The
-        rows past what is kept sit where the lane's next block and rows are written,
-        so nothing ever reads them. `bucket_rows` pads the rows to a `row_bucket`
-        (see there). Lazy."""
-        ahead = ahead or [None] * len(lanes)
+        target's rows for the committed `tokens[i]`. `bucket_rows` pads the rows to a
+        `row_bucket` (see there). Lazy."""
         slots, positions, parts = [], [], []
-        for lane, rows, ids, later in zip(lanes, taps, tokens, ahead, strict=True):
+        for lane, rows, ids in zip(lanes, taps, tokens, strict=True):
             count = rows.shape[0]
             if count != len(ids):  # the lane core let context and tokens drift apart
                 raise ValueError(f"drafter slot {lane.slot}: {count} tap rows for {len(ids)} committed tokens")
-            if lane.ahead:
-                raise ValueError(f"drafter slot {lane.slot}: {lane.ahead} rows written ahead are not kept yet")
-            if later is not None:
-                rows = mx.concatenate([rows, later], axis=0)
-            slots += [lane.slot] * rows.shape[0]
-            positions += range(lane.length, lane.length + rows.shape[0])
+            slots += [lane.slot] * count
+            positions += range(lane.length, lane.length + count)
             parts.append(rows)
         if not positions:
             return
@@ -235,17 +223,8 @@ class DSparkDrafter:
         for j, pool in enumerate(self.kv):
             pool.reserve(layout.span)
             pool.write(slot_ids, layout, keys_values[2 * j], keys_values[2 * j + 1])
-        for lane, rows, later in zip(lanes, taps, ahead):
+        for lane, rows in zip(lanes, taps):
             lane.length += rows.shape[0]
-            lane.ahead = 0 if later is None else later.shape[0]
-
-    def keep(self, lane: LaneSlot, tokens: list[int]) -> None:
-        """Count the lane's first rows written ahead (see `append`), those of the committed
-        `tokens`, as its context, once the round that decides them is read."""
-        if len(tokens) > lane.ahead:
-            raise ValueError(f"drafter slot {lane.slot}: keeping {len(tokens)} rows of {lane.ahead} written ahead")
-        lane.length += len(tokens)
-        lane.ahead = 0
 
     def _context_keys_values(self, rows: mx.array, positions: mx.array) -> list[mx.array]:
         """Context rows `[R, n_taps * H_target]` at their positions -> each layer's roped
@@ -253,8 +232,8 @@ class DSparkDrafter:
         c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
         return [a for layer in self.model.layers for a in layer.self_attn.keys_values(c, positions)]
 
-    def propose(self, lanes: list[LaneSlot], anchors: list[int] | mx.array, width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True, confidences: bool = True, kept: mx.array | None = None) -> Proposal:
+    def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
         """Draft `width` tokens after each lane's anchor (the last token the target
         emitted, at position `lane.length`), all lanes in one lazy forward.
 
@@ -262,11 +241,7 @@ class DSparkDrafter:
         row k (argmax when None); the lane core passes its sampler for temperature > 0.
         `chain_logits=False` leaves the float32 `[N, g, V]` chain logits out of the
         proposal (what greedy rounds never read); `confidences=False` the confidence
-        head's (what a round priced by counted survival never reads).
-
-        `kept` `[N]` (lazy): how many of each lane's rows written ahead are its context,
-        for a proposal launched before the round that decides it is read; the anchors
-        (that round's choices) then come as a lazy array too."""
+        head's (what a round priced by counted survival never reads)."""
         cfg = self.config
         g = cfg.width if width is None else width
         if not 1 <= g <= cfg.max_width:
@@ -276,23 +251,19 @@ class DSparkDrafter:
         n = len(lanes)
         lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        if kept is None:
-            layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
-        else:
-            layout = RaggedLayout([g] * n, None, KEY_BUCKET, offsets_array=mx.array(lengths, dtype=mx.int32) + kept,
-                                  most=[lane.length + lane.ahead for lane in lanes])
+        layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
         for pool in self.kv:
             pool.reserve(layout.span)
         # No causal mask inside the block: each lane sees its context and its whole block;
         # only keys past its own block (other lanes' longer contexts, the bucket's
         # rounding) are hidden.
         mask = None
-        if kept is not None or layout.span != lengths[0] + g or len(set(lengths)) > 1:
+        if layout.span != lengths[0] + g or len(set(lengths)) > 1:
             visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
             mask = visible[:, None, None, :]
         # The block runs as segments between its layers' attention cores (see target.py);
         # with a pick (a host callable) the chain runs after the last, eagerly.
-        anchors_array = anchors if isinstance(anchors, mx.array) else mx.array(anchors, dtype=mx.int32)
+        anchors_array = mx.array(anchors, dtype=mx.int32)
         h, attended, last = anchors_array, None, len(self.kv)
         for j in range(last + 1):
             args = [h, *([attended] if j else []), *([anchors_array] if j == last else []), layout.offsets_array]
