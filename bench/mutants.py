@@ -231,6 +231,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("lanes/guard.py", "        if not drafting:\n", "        if not drafting or loser.weight < STALE_WEIGHT:\n"),),
         ("tests/test_guard.py",),
     ),
+    Mutant(
+        "priced-by-real-rows-though-padded",
+        "where rounds pad every lane to a bucketed window, windows are still priced by their real rows: "
+        "a bucket is paid for and left part empty",
+        (Edit("lanes/round.py", "                padded_width=self.verify_width if self.steady_shapes else None,\n", ""),),
+        ("tests/test_pricing.py",),
+    ),
 )
 
 

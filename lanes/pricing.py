@@ -166,6 +166,7 @@ def plan_depths(
     round_seconds: Callable[[int], float],
     draft_seconds: float,
     max_depths: Sequence[int] | None = None,
+    padded_width: Callable[[int], int] | None = None,
 ) -> list[int]:
     """Verify depth per drafting lane: the DSpark prefix scheduler.
 
@@ -185,6 +186,10 @@ def plan_depths(
 
     `chances_per_lane[r]` are lane r's chain chances (non-increasing, one per proposal);
     `max_depths[r]`, if given, caps lane r's depth further (e.g. tokens it may still emit).
+    `padded_width`, where rounds keep steady shapes: every lane of the round, plain ones
+    too, feeds the widest window's rows padded to `padded_width(rows)`, so a round costs
+    `round_seconds(lanes * padded_width(1 + deepest))`: a draft that does not widen the
+    padded window costs nothing more, and a bucket once paid for is filled.
     """
     if plain_rows < 0:
         raise ValueError(f"plain_rows cannot be negative, got {plain_rows}")
@@ -205,16 +210,19 @@ def plan_depths(
             raise ValueError(f"a round of {rows} rows cannot take {seconds} seconds")
         return tokens / seconds
 
+    lanes = len(chances_per_lane) + plain_rows
+    fed = (lambda rows, deepest: rows) if padded_width is None else (lambda rows, deepest: lanes * padded_width(1 + deepest))
     depths = [0] * len(chances_per_lane)
     if not candidates:
         return depths
-    rows = len(chances_per_lane) + plain_rows
+    rows, deepest = lanes, 0
     tokens = float(rows)
-    best, admitted = rate(tokens, rows), 0
-    for count, (chance, _, _) in enumerate(candidates, start=1):
+    best, admitted = rate(tokens, fed(rows, deepest)), 0
+    for count, (chance, k, _) in enumerate(candidates, start=1):
         rows += 1
+        deepest = max(deepest, k)
         tokens += chance
-        widened = rate(tokens, rows)
+        widened = rate(tokens, fed(rows, deepest))
         if widened > best:
             best, admitted = widened, count
     for _, k, lane in candidates[:admitted]:

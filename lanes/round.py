@@ -498,9 +498,8 @@ class RoundRunner:
         caps = [0 if d.problem else min(self.proposals, len(d.chances), lane.remaining - 1) for lane, d in zip(drafting, drafts)]
         if self.draft_width is not None:
             return caps
-        # Priced by real rows, though steady shapes pad them (see _verify): where padding
-        # is used the round's cost hardly depends on its rows (the GPU is bound by launches
-        # at these sizes).
+        # Where shapes are kept steady every lane feeds the widest window's rows, padded to
+        # a bucket (see _verify), and the cost table holds rounds by those rows: priced so.
         context = max(lane.context for lane in lanes)
         try:
             return plan_depths(
@@ -509,6 +508,7 @@ class RoundRunner:
                 round_seconds=self.costs.curve(len(lanes), context),
                 draft_seconds=draft_seconds,
                 max_depths=caps,
+                padded_width=self.verify_width if self.steady_shapes else None,
             )
         except NoCostData:  # nothing measured yet (no warm-up): verify every proposal once
             return caps

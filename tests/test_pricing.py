@@ -3,6 +3,11 @@
 import numpy as np
 import pytest
 
+from families.lfm2 import open_target
+from families.lfm2.cache import row_bucket
+from families.lfm2.drafter import load_drafter
+from lanes.detokenize import IncrementalDetokenizer
+from lanes.lane import Lane, Request
 from lanes.pricing import (
     CostTable,
     NoCostData,
@@ -10,6 +15,7 @@ from lanes.pricing import (
     cost_curve,
     plan_depths,
 )
+from lanes.round import Draft, RoundRunner
 
 
 def linear_cost(fixed, per_row):
@@ -192,6 +198,28 @@ def test_scheduler_refuses_bad_input():
         plan_depths([[0.5]], 0, lambda rows: 0.0, 0.0)
 
 
+def test_steady_shapes_price_the_padded_window():
+    """Where every lane feeds the widest window padded to a bucket (1, 2, 4, 8, 9 rows),
+    the plan fills the bucket it pays for and, judged by what padded rounds cost, beats
+    the plan priced by real rows."""
+    bucket = lambda rows: row_bucket(rows, 9)
+    chances = chain_chances([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    gained = []
+    for slope in (0.05, 0.1, 0.2, 0.3):
+        cost = linear_cost(1.0, slope)
+        by_rows = plan_depths([chances], 0, cost, 0.0)
+        padded = plan_depths([chances], 0, cost, 0.0, padded_width=bucket)
+        assert 1 + padded[0] in (1, 2, 4, 8, 9)
+        rate = lambda depths: (1 + sum(chances[: depths[0]])) / cost(bucket(1 + depths[0]))
+        assert rate(padded) >= rate(by_rows)
+        gained.append(rate(padded) > rate(by_rows))
+    assert sum(gained) >= 2
+    # Several lanes: all of them pay for the deepest window, plain ones too.
+    two = [chances, chain_chances([0.95] * 8)]
+    depths = plan_depths(two, 2, linear_cost(1.0, 0.01), 0.0, padded_width=bucket)
+    assert depths == [8, 8]  # a 9-row window for 4 lanes costs 36 rows at 0.01 each: worth all 8 drafts
+
+
 # --- the prefix scheduler: properties --------------------------------------------------
 
 
@@ -297,3 +325,20 @@ def test_plans_are_the_best_prefix_of_the_admission_order():
             plans.append(list(prefix))
         assert depths in plans
         assert all(rate(plan) <= rate(depths) + 1e-12 for plan in plans)
+
+
+def test_a_round_with_steady_shapes_prices_its_padded_window(dense_dir, drafter_dir):
+    """The lane core prices by the padded window where it pads (RoundRunner._price), from
+    a cost table of padded rows: a drafter's chances that would stop at 5 drafts by real
+    rows (6 rows, padded to 8) take 7 instead, and by real rows where it does not pad."""
+    loaded = open_target(dense_dir, max_lanes=1)
+    drafter = load_drafter(drafter_dir, loaded.target.model, loaded.target.config, max_lanes=1)
+    chances = chain_chances([0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    lane = Lane(Request([1, 2, 3], 64), loaded.eos_ids, loaded.target.context_limit, IncrementalDetokenizer(loaded.tokenizer.decode))
+    depths = {}
+    for steady in (True, False):
+        runner = RoundRunner(loaded.target, drafter, steady_shapes=steady)
+        for rows in (1, 2, 4, 8, 9):
+            runner.costs.seed(rows, 1, lane.context, 1.0 + 0.05 * rows)
+        depths[steady] = runner._price([lane], [lane], [Draft(None, chances[: runner.proposals])], 0.0)
+    assert depths == {True: [7], False: [5]}
