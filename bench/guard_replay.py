@@ -2,7 +2,7 @@
 rather than measured: what the guard makes of a machine whose rounds cost what you say.
 
     python -m bench.guard_replay --out bench/results/NAME [--plain-ms 1.5] [--drafted-ms 3.3,4.9,8] [--max-tokens 96]
-        [--max-probe-share 0.25] [--smoothing 0.1]
+        [--max-probe-share 0.25] [--smoothing 0.1] [--budget 0.02]
 
 The held-out prompts of bench/default_prompts.json run greedy, one stream, float32, on
 this machine; every round the guard records is charged `--plain-ms` if it ran plain and
@@ -38,8 +38,8 @@ from lanes.pricing import CostTable
 class ChargedGuard(DraftGuard):
     """The guard, charged the given cost for each round it records."""
 
-    def __init__(self, plain_seconds: float, drafted_seconds: float, max_probe_share: float, smoothing: float):
-        super().__init__(max_probe_share=max_probe_share, smoothing=smoothing)
+    def __init__(self, plain_seconds: float, drafted_seconds: float, max_probe_share: float, smoothing: float, budget: float):
+        super().__init__(budget=budget, max_probe_share=max_probe_share, smoothing=smoothing)
         self.costs = {False: plain_seconds, True: drafted_seconds}
         self.charged, self.tokens = 0.0, 0
         self.rounds = {False: 0, True: 0}
@@ -63,14 +63,14 @@ class FlatVerifyCosts(CostTable):
 
 
 def replay(loaded, drafter, prompts: list[list[int]], max_tokens: int, plain_s: float, drafted_s: float,
-           max_probe_share: float, smoothing: float) -> dict:
+           max_probe_share: float, smoothing: float, budget: float) -> dict:
     """Speedup over plain and rounds drafted, per policy, under the given costs. Counted
     over the rounds after a reply's first token (which the prompt's read gives)."""
     result = {}
     for name, lookup in (("guard", 0), ("guard_lookup", 2)):
         engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter,
                         EngineConfig(max_streams=1, prompt_lookup=lookup, price_live=False))
-        guard = engine.rounds.guard = ChargedGuard(plain_s, drafted_s, max_probe_share, smoothing)
+        guard = engine.rounds.guard = ChargedGuard(plain_s, drafted_s, max_probe_share, smoothing, budget)
         engine.rounds.costs = FlatVerifyCosts()
         for prompt in prompts:
             engine.generate([Request(prompt, max_tokens)])
@@ -96,10 +96,10 @@ def run(args) -> dict:
     drafter = load_drafter(default_drafter_dir(), loaded.target.model, loaded.target.config, dtype="float32", max_lanes=1)
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
     result = {**record, "prompts": len(prompts), "max_tokens": args.max_tokens, "plain_ms": args.plain_ms,
-              "max_probe_share": args.max_probe_share, "smoothing": args.smoothing, "costs": {}}
+              "max_probe_share": args.max_probe_share, "smoothing": args.smoothing, "budget": args.budget, "costs": {}}
     for drafted_ms in args.drafted_ms:
         cell = result["costs"][drafted_ms] = replay(loaded, drafter, prompts, args.max_tokens, args.plain_ms / 1e3,
-                                                    drafted_ms / 1e3, args.max_probe_share, args.smoothing)
+                                                    drafted_ms / 1e3, args.max_probe_share, args.smoothing, args.budget)
         print(f"drafted {drafted_ms} ms: " + ", ".join(f"{k} {v['speedup']:.2f}x" for k, v in cell.items()), flush=True)
     return result
 
@@ -107,7 +107,8 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     setting = (f"{result['prompts']} held-out prompts, greedy, up to {result['max_tokens']} tokens, one stream, float32; "
                f"plain rounds charged {result['plain_ms']} ms, drafted rounds as below, verifies priced flat; "
-               f"the guard's probe share at most {result['max_probe_share']}, smoothing {result.get('smoothing', 0.1)}. "
+               f"the guard's probe share at most {result['max_probe_share']}, smoothing {result.get('smoothing', 0.1)}, "
+               f"probe budget {result['budget']}. "
                "Speedup over plain under those costs (drafted rounds of the policy).")
     lines = [markdown_line(result), "", setting, "",
              "| drafted round ms | guard, priced | guard, priced, prompt lookup beside it | fixed width 9 |",
@@ -129,6 +130,8 @@ def main() -> None:
                    help="the guard's cap on probes (1 lifts it, as before e14970f)")
     p.add_argument("--smoothing", type=float, default=DraftGuard().smoothing,
                    help="the guard's per-round decay of old evidence (its memory is about 1/smoothing rounds)")
+    p.add_argument("--budget", type=float, default=DraftGuard().budget,
+                   help="the share of a band's seconds that probes of drafting may lose")
     args = p.parse_args()
     result = run(args)
     write_result(args.out, args.name, result, markdown(result))

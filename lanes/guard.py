@@ -188,6 +188,11 @@ class DraftGuard:
         self._bands: dict[Band, _BandEvidence] = {}
         self._lock = threading.Lock()  # snapshot() is read from other threads
 
+    @property
+    def budget(self) -> float:
+        """The share of a band's seconds that probes of drafting may lose."""
+        return self._budget
+
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
         """Whether the next round of `lanes` decoding lanes at `context_tokens` tokens of
         context (pass the same measure everywhere, e.g. the longest lane's) should draft.
