@@ -18,6 +18,10 @@ class RoundCounters:
     def __init__(self):
         self._lock = threading.Lock()
         self.rounds_by_kind: Counter[str] = Counter()
+        # Round seconds and emitted tokens of rounds that drafted (lookups included) and of
+        # plain ones: what drafting cost or gained against the same engine's plain rounds.
+        self.seconds_by_mode: Counter[str] = Counter()
+        self.emitted_by_mode: Counter[str] = Counter()
         self.guard_reasons: Counter[str] = Counter()
         self.rows_histogram: Counter[int] = Counter()  # verify rows per round
         self.seconds_histogram = [0] * (len(ROUND_SECONDS_BUCKETS) + 1)  # per bucket, the last for +Inf
@@ -33,6 +37,9 @@ class RoundCounters:
         """Fold in one round's RoundReport."""
         with self._lock:
             self.rounds_by_kind[report.kind] += 1
+            mode = "drafted" if report.drafting_lanes else "plain"
+            self.seconds_by_mode[mode] += report.seconds
+            self.emitted_by_mode[mode] += report.emitted
             if report.decision is not None:
                 self.guard_reasons[report.decision.reason] += 1
             self.rows_histogram[report.rows] += 1
@@ -57,6 +64,8 @@ class RoundCounters:
                 buckets.append([bound, cumulative])
             return {
                 "rounds_by_kind": dict(self.rounds_by_kind),
+                "seconds_by_mode": dict(self.seconds_by_mode),
+                "emitted_by_mode": dict(self.emitted_by_mode),
                 "guard_reasons": dict(self.guard_reasons),
                 "verify_rows": dict(self.rows_histogram),
                 "round_seconds": {"buckets": buckets, "sum": self.round_seconds, "count": sum(self.seconds_histogram)},

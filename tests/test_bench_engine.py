@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
-from bench.bench_engine import Setup, compare, decode_run
+from bench.bench_engine import Setup, compare, decode_run, drafting_cost
 from bench.scripted import falling_with_context_profile
 
 
@@ -18,8 +19,19 @@ def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_
     recorded = decode_run(setup.plain, prompts, 12)["tokens"]
     drafted = setup.scripted(falling_with_context_profile(), [p + t for p, t in zip(prompts, recorded)])
     result = compare(setup.plain, drafted, prompts, 12, 2)
-    assert result["exact"]
+    assert result["exact"] and result["drafting_cost"] is not None
     for engine, runs in ((setup.plain, 3), (drafted, 2)):
         cache = engine.stats()["prefix_cache"]
         # Every run after an engine's first restores all of the prompt's whole blocks.
         assert cache["hit_tokens_total"] == (runs - 1) * (300 // cache["block_tokens"]) * cache["block_tokens"]
+
+
+def test_drafting_cost_is_what_drafted_rounds_took_beyond_plain_rounds_for_as_many_tokens():
+    before = {"seconds_by_mode": {"plain": 1.0}, "emitted_by_mode": {"plain": 50}}
+    # Plain rounds then take 1.0 s for 100 tokens (10 ms a token); drafted ones 0.5 s for 40
+    # tokens, 0.1 s more than plain rounds would: 0.1 of 1.5 s of rounds.
+    after = {"seconds_by_mode": {"plain": 2.0, "drafted": 0.5}, "emitted_by_mode": {"plain": 150, "drafted": 40}}
+    assert drafting_cost(before, after) == pytest.approx(0.1 / 1.5)
+    gained = {"seconds_by_mode": {"plain": 2.0, "drafted": 0.5}, "emitted_by_mode": {"plain": 150, "drafted": 100}}
+    assert drafting_cost(before, gained) == pytest.approx((0.5 - 1.0) / 1.5)
+    assert drafting_cost(before, {"seconds_by_mode": {"plain": 1.0, "drafted": 0.5}, "emitted_by_mode": {"plain": 50, "drafted": 9}}) is None
