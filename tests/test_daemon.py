@@ -562,7 +562,7 @@ VLLM_NAMES = [
     "request_prompt_tokens", "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 ]
-OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_seconds", "verify_rows", "guard_drafting", "guard_tokens_per_second", "kv_bytes_in_use",
+OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_mode_seconds", "round_mode_tokens", "round_seconds", "verify_rows", "guard_drafting", "guard_tokens_per_second", "kv_bytes_in_use",
              "http_requests_client_disconnected"]
 
 
@@ -589,6 +589,11 @@ def test_metrics_parse_and_count_what_was_served(dense):
     assert sample(after, "laneserve:num_requests_running") == 0
     assert sample(after, "laneserve:round_seconds", "_count") == sum(
         v for (name, _), v in after["laneserve:rounds"].items() if name == "laneserve:rounds_total")
+    # Every token but the first (the prompt's read gives it) came from a drafted or a plain round.
+    by_mode = {mode: delta("round_mode_tokens", "_total", mode=mode) for mode in ("drafted", "plain")}
+    assert by_mode["drafted"] > 0 and sum(by_mode.values()) == reply.usage.completion_tokens - 1
+    seconds = sum(delta("round_mode_seconds", "_total", mode=mode) for mode in ("drafted", "plain"))
+    assert seconds == pytest.approx(delta("round_seconds", "_sum"))
 
 
 def test_models_tokenize_detokenize_version_and_probes(dense):
