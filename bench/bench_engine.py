@@ -36,7 +36,7 @@ alternations. `--long-prompt-cache` gives both long-context engines a prefix cac
 each prompt is read once per engine and every later run restores it (untimed, as every
 read is) and goes straight to the decode that is timed. Both engines then also keep the
 conv states a cache needs at every block boundary (one copy each 64 tokens), alike.
-So each long-context row also gives drafting's cost in the guarded engine's own time:
+Each long-context row also gives drafting's cost in the guarded engine's own time:
 what its drafted rounds (the guard's probes among them) took beyond its own plain
 rounds' time per token for as many tokens, over all its runs (`drafting_cost`), a
 measure the machine's drift between runs does not move.
@@ -112,8 +112,10 @@ def drafting_cost(before: dict, after: dict) -> float | None:
     their seconds less what its plain rounds took for as many tokens. Both kinds of round
     ran in the same runs, so the machine's drift between runs cancels. None without
     plain rounds to compare with."""
-    seconds = {mode: after["seconds_by_mode"].get(mode, 0.0) - before["seconds_by_mode"].get(mode, 0.0) for mode in ("plain", "drafted")}
-    tokens = {mode: after["emitted_by_mode"].get(mode, 0) - before["emitted_by_mode"].get(mode, 0) for mode in ("plain", "drafted")}
+    def grown(key: str) -> dict:
+        return {mode: after[key].get(mode, 0) - before[key].get(mode, 0) for mode in ("plain", "drafted")}
+
+    seconds, tokens = grown("seconds_by_mode"), grown("emitted_by_mode")
     if not tokens["plain"]:
         return None
     lost = seconds["drafted"] - tokens["drafted"] * seconds["plain"] / tokens["plain"]

@@ -211,7 +211,11 @@ def plan_depths(
         return tokens / seconds
 
     lanes = len(chances_per_lane) + plain_rows
-    fed = (lambda rows, deepest: rows) if padded_width is None else (lambda rows, deepest: lanes * padded_width(1 + deepest))
+
+    def fed(rows: int, deepest: int) -> int:
+        """The rows the round feeds: its windows' own, or every lane's padded to the deepest."""
+        return rows if padded_width is None else lanes * padded_width(1 + deepest)
+
     depths = [0] * len(chances_per_lane)
     if not candidates:
         return depths
