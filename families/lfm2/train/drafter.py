@@ -376,7 +376,8 @@ def add_parser(sub) -> None:
     p.add_argument("--target", required=True, help="the trained target's HF directory (the target step's OUT/model)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="default", help="drafter shape (default: the embedded default)")
     p.add_argument("--taps", help="target layers to read, comma-separated (default: the shape's)")
-    p.add_argument("--block-size", type=int, help="proposals per round (default: the shape's)")
+    p.add_argument("--block-size", type=int, help="proposals per round (default: the shape's, or with --init the "
+                                                   "initial drafter's: no weight depends on it, so a block may grow)")
     p.add_argument("--anchors", type=int, default=64, help="blocks per window (default 64)")
     p.add_argument("--gamma", type=float, default=4.0, help="position weight decay exp(-k/gamma) (default 4)")
     p.add_argument("--confidence-weight", type=float, default=1.0, help="weight of the confidence BCE (default 1)")
@@ -415,6 +416,8 @@ def run(args) -> dict:
         config = read_state(checkpoint)["config"]
     elif args.init:  # and here the initial drafter's
         config = {k: v for k, v in json.loads((Path(args.init) / "config.json").read_text()).items() if k != "torch_dtype"}
+        if args.block_size:
+            config["block_size"] = args.block_size
     else:
         mask = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK_TOKEN)
         if mask is None:
