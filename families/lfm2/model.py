@@ -93,8 +93,9 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
 # most of it there). A small weight times a few rows is served instead as one
 # matrix-vector product per row: one batched GEMV launch, the weight read once per row
 # from cache. Small means at most 4 MiB: every map of the embedded default, none of the
-# released models' (whose steps were measured with cuBLASLt).
-ROW_PRODUCT_ROWS = 16
+# released models' (whose steps were measured with cuBLASLt). A few means up to the
+# widest verify window (32 rows, `lanes.round.VERIFY_WIDTH_CEILING`).
+ROW_PRODUCT_ROWS = 32
 ROW_PRODUCT_BYTES = 4 * 2**20
 
 
