@@ -20,11 +20,15 @@ from mlx.utils import tree_flatten
 
 from daemon import cli
 from families.lfm2.bpe import BOS, EOS_TEXT, IM_END, IM_START, MASK
+from families.lfm2.checkpoint import open_target
 from families.lfm2.drafter import DSparkDrafter, load_drafter
 from families.lfm2.loader import load_model
 from families.lfm2.tokenizer import ChatTokenizer
 from families.lfm2.train import confidence, corpus, drafter, generate, loop, target
 from families.lfm2.train.__main__ import main
+from lanes.engine import Engine, EngineConfig
+from lanes.lane import Request
+from lanes.sampling import SamplingParams
 
 ADJECTIVES = ["quick", "lazy", "bright", "silent", "ancient", "curious", "gentle", "bitter"]
 NOUNS = ["fox", "river", "kernel", "prophet", "compiler", "garden", "lantern", "sparrow"]
@@ -421,6 +425,26 @@ def test_init_continues_an_exported_drafter(drafter_run, target_run, data_dir, t
     assert after["eval_ce"] < untrained["eval_ce"] - 1.0 and after["eval_ce"] < before["eval_ce"] + 0.1, (untrained, before, after)
 
 
+def test_init_can_grow_the_block(drafter_run, target_run, data_dir, tmp_path):
+    """No weight depends on the block's length: an exported drafter trains on to a longer
+    block, and the engine serves the longer block, drafted output equal to plain."""
+    config = json.loads((drafter_run / "model" / "config.json").read_text())
+    longer = config["block_size"] + 3
+    out = tmp_path / "longer"
+    args = ["drafter", "--init", str(drafter_run / "model"), "--block-size", str(longer), "--target", str(target_run / "model"),
+            "--data", str(data_dir), "--out", str(out), "--steps", "3", "--anchors", "8", *TINY_RUN]
+    assert main(args) == 0
+    assert json.loads((out / "model" / "config.json").read_text()) == {**config, "block_size": longer}
+    loaded = open_target(target_run / "model", dtype="float32", max_lanes=1)
+    grown = load_drafter(out / "model", loaded.target.model, loaded.target.config, dtype="float32", max_lanes=1)
+    assert grown.width == longer
+    prompt = np.load(data_dir / "eval.npy")[:24].astype(int).tolist()
+    outputs = [Engine(loaded.target, loaded.tokenizer, frozenset(), d, EngineConfig(max_streams=1, draft_width=w))
+               .generate([Request(prompt, 24)])[0] for d, w in ((None, None), (grown, longer + 1))]
+    assert len(outputs[0].token_ids) == 24 and outputs[1].token_ids == outputs[0].token_ids
+    assert outputs[1].draft.drafted_rounds > 0
+
+
 def test_init_and_resume_are_exclusive(drafter_run, target_run, data_dir, tmp_path, capsys):
     args = ["drafter", "--init", str(drafter_run / "model"), "--resume", "--target", str(target_run / "model"),
             "--data", str(data_dir), "--out", str(tmp_path / "x"), *TINY_RUN]
@@ -483,11 +507,6 @@ def test_generated_rows_with_a_penalty_are_what_the_engine_writes(target_run, da
     """Greedy with a repetition penalty, the trainer's batched writing (its own penalty
     over each row's prompt and tokens) gives the lane core's tokens for the same prompt
     and settings (an independent implementation)."""
-    from families.lfm2.checkpoint import open_target
-    from lanes.engine import Engine, EngineConfig
-    from lanes.lane import Request
-    from lanes.sampling import SamplingParams
-
     out = tmp_path / "penalised"
     args = ["generate", "--target", str(target_run / "model"), "--data", str(data_dir), "--out", str(out), "--sequences", "4",
             "--eval-sequences", "4", "--batch", "4", "--prompt-tokens", "12", "--new-tokens", "10", "--temperatures", "0",
