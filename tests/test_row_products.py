@@ -18,7 +18,7 @@ from families.lfm2.model import (
     ROW_PRODUCT_ROWS,
     RowProductLinear,
     row_products,
-    serve_small_linears_by_rows,
+    serve_linears_by_rows,
 )
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
@@ -40,7 +40,7 @@ def test_row_products_equal_the_matmul(lead):
 def test_only_small_unquantized_linear_maps_are_swapped():
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(64, 32, bias=False), nn.Linear(64, 64), nn.Linear(ROW_PRODUCT_BYTES // 4 // 64 + 1, 64))
     model.layers[2] = nn.QuantizedLinear(64, 64, group_size=32, bits=8)
-    serve_small_linears_by_rows(model)
+    serve_linears_by_rows(model)
     kinds = [type(layer) for layer in model.layers]
     assert kinds == [RowProductLinear, RowProductLinear, nn.QuantizedLinear, nn.Linear]
     x = mx.ones((3, 64))

@@ -14,6 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import row_kernel
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -89,23 +90,33 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
 # MLX's CUDA backend multiplies one row by its own GEMV kernel, but several rows through
 # cuBLASLt, building the GEMM's descriptors and asking its heuristic on every call: some
 # tens of microseconds of host time per matmul, more than a small weight's whole product
-# (a verify of 9 rows of the embedded default spends 1.5 ms more than a one-row step,
-# most of it there). A small weight times a few rows is served instead as one
-# matrix-vector product per row: one batched GEMV launch, the weight read once per row
-# from cache. Small means at most 4 MiB: every map of the embedded default, none of the
-# released models' (whose steps were measured with cuBLASLt). A few means up to the
-# widest verify window (32 rows, `lanes.round.VERIFY_WIDTH_CEILING`).
+# and, over the hundred-odd maps of a released model's step, more than its weights take
+# to read (a 16-lane step of the 2.6B shape issued as many kernels as a one-lane step and
+# took 2.6 times as long). A few rows (up to the widest verify window, 32 rows,
+# `lanes.round.VERIFY_WIDTH_CEILING`) are served instead without cuBLASLt: times a small
+# weight (at most 4 MiB: every map of the embedded default) as one matrix-vector product
+# per row, one batched GEMV launch reading the weight once per row from cache; times a
+# larger one by laneserve's own kernel (`row_kernel`, CUDA only), which reads it once.
 ROW_PRODUCT_ROWS = 32
 ROW_PRODUCT_BYTES = 4 * 2**20
 
 
 def row_products(weight: mx.array, x: mx.array) -> mx.array:
-    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: one matrix-vector product per
-    row for 2..ROW_PRODUCT_ROWS rows, else one matmul."""
+    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: for 2..ROW_PRODUCT_ROWS rows,
+    one matrix-vector product per row (a small weight) or the row kernel (a larger one,
+    where it serves), else one matmul."""
     rows = x.size // x.shape[-1]
     if 1 < rows <= ROW_PRODUCT_ROWS:
-        return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
+        if weight.nbytes <= ROW_PRODUCT_BYTES:
+            return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
+        if row_kernel.available() and row_kernel.serves(weight):
+            return row_kernel.rows_times_weight(x.reshape(rows, -1), weight).reshape(*x.shape[:-1], weight.shape[0])
     return x @ weight.T
+
+
+def served_by_rows(weight: mx.array) -> bool:
+    """Whether `row_products` serves a few rows times `weight` without cuBLASLt."""
+    return weight.nbytes <= ROW_PRODUCT_BYTES or (row_kernel.available() and row_kernel.serves(weight))
 
 
 class RowProductLinear(nn.Module):
@@ -122,12 +133,11 @@ class RowProductLinear(nn.Module):
         return y + self.bias if "bias" in self else y
 
 
-def serve_small_linears_by_rows(model: nn.Module) -> None:
-    """Serve every unquantized linear map of `model` whose weight has at most
-    ROW_PRODUCT_BYTES by `row_products` (see there)."""
+def serve_linears_by_rows(model: nn.Module) -> None:
+    """Serve every unquantized linear map of `model` that `row_products` serves without
+    cuBLASLt (see there) by `row_products`."""
     def served(child):
-        small = type(child) is nn.Linear and child.weight.nbytes <= ROW_PRODUCT_BYTES
-        return RowProductLinear(child) if small else child
+        return RowProductLinear(child) if type(child) is nn.Linear and served_by_rows(child.weight) else child
 
     for _, module in list(model.named_modules()):
         for name, child in list(module.items()):
@@ -432,11 +442,11 @@ class Lfm2Model(nn.Module):
             mx.eval(layer.parameters())
 
     def serve_by_rows(self) -> None:
-        """Serve small weights times a few rows by `row_products`, the tied head too
-        where its table is small and not quantized (a GPU backend's choice, see there)."""
-        serve_small_linears_by_rows(self)
+        """Serve a few rows times the weights by `row_products`, the tied head too where
+        its table is not quantized (a GPU backend's choice, see there)."""
+        serve_linears_by_rows(self)
         table = self.embed_tokens
-        self.head_by_rows = type(table) is nn.Embedding and table.weight.nbytes <= ROW_PRODUCT_BYTES
+        self.head_by_rows = type(table) is nn.Embedding and served_by_rows(table.weight)
 
     def tied_logits(self, x: mx.array) -> mx.array:
         """`x @ embed_tokens.T`: the tied table read out as the vocabulary's logits."""

@@ -82,7 +82,7 @@ class Lfm2Target:
     def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16, compiled: bool = True,
                  by_rows: bool | None = None):
         """`compiled`: run uniform rounds of few rows as compiled functions (see above).
-        `by_rows`: multiply small weights by a few rows as matrix-vector products
+        `by_rows`: multiply a few rows by the weights without cuBLASLt
         (model.row_products); None: where the backend plans per shape (CUDA)."""
         self.model = model
         self.compiled = compiled

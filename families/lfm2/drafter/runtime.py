@@ -19,7 +19,7 @@ from ..cache import (
     row_bucket,
     stacked_rows,
 )
-from ..model import Lfm2Model, serve_small_linears_by_rows
+from ..model import Lfm2Model, serve_linears_by_rows
 from .chain import FusedGreedyChain, cuda_chain_available
 from .model import DSparkModel
 
@@ -116,8 +116,8 @@ class DSparkDrafter:
     def __init__(self, model: DSparkModel, target_model: Lfm2Model, max_lanes: int = 16, compiled: bool = True,
                  by_rows: bool | None = None):
         """`compiled`: context appends and proposals run as compiled functions, one trace
-        per shape (see target.py). `by_rows`: small weights times a few rows as
-        matrix-vector products (see families.lfm2.model.row_products); None: where the
+        per shape (see target.py). `by_rows`: a few rows times the weights without cuBLASLt
+        (see families.lfm2.model.row_products); None: where the
         backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as one
         kernel (`chain.FusedGreedyChain`, where the Markov head is unquantized; set
         `fused_chain` to None before the first proposal to run it as operations)."""
@@ -134,7 +134,7 @@ class DSparkDrafter:
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
         if plans_per_shape() if by_rows is None else by_rows:
-            serve_small_linears_by_rows(model)
+            serve_linears_by_rows(model)
         markov = model.markov_head
         serves = cuda_chain_available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
         self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None

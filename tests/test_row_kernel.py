@@ -1,0 +1,60 @@
+"""A few rows times a large weight as laneserve's CUDA kernel (families/lfm2/row_kernel.py):
+its products equal float32 products within the weights' rounding, for every row count it
+serves and for weights whose rows do not fill its blocks; `row_products` takes it for large
+weights on CUDA only. The kernel tests run only where MLX has its CUDA backend."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from families.lfm2 import row_kernel
+from families.lfm2.model import ROW_PRODUCT_BYTES, row_products, served_by_rows
+
+needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+
+@pytest.fixture
+def on_gpu():
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(mx.cpu)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tolerance", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2), (mx.float16, 2e-3)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 31, 32])
+@pytest.mark.parametrize("n,k", [(40, 24), (1001, 264), (3072, 2048)])
+def test_products_equal_float32_products(on_gpu, dtype, tolerance, rows, n, k):
+    rng = np.random.default_rng(rows * n + k)
+    weight = mx.array(rng.standard_normal((n, k)) / np.sqrt(k), dtype=mx.float32).astype(dtype)
+    x = mx.array(rng.standard_normal((rows, k)), dtype=mx.float32).astype(dtype)
+    exact = np.array(x.astype(mx.float32)) @ np.array(weight.astype(mx.float32)).T
+    got = row_kernel.rows_times_weight(x, weight)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), exact, rtol=tolerance, atol=tolerance * np.abs(exact).max())
+
+
+@needs_cuda
+def test_too_many_rows_are_refused(on_gpu):
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        row_kernel.rows_times_weight(mx.ones((33, 8)), mx.ones((4, 8)))
+
+
+@needs_cuda
+def test_row_products_take_the_kernel_for_large_weights(on_gpu):
+    k = 1024
+    weight = mx.random.normal((ROW_PRODUCT_BYTES // (2 * k) + 8, k)).astype(mx.bfloat16)
+    assert served_by_rows(weight)
+    x = mx.random.normal((2, 5, k)).astype(mx.bfloat16)
+    np.testing.assert_array_equal(np.array(row_products(weight, x).astype(mx.float32)),
+                                  np.array(row_kernel.rows_times_weight(x.reshape(10, k), weight).reshape(2, 5, -1).astype(mx.float32)))
+
+
+def test_only_kernel_shapes_are_served():
+    assert row_kernel.serves(mx.zeros((16, 64), dtype=mx.bfloat16))
+    assert not row_kernel.serves(mx.zeros((16, 60), dtype=mx.bfloat16))  # rows of whole 16-byte loads only
+    assert not row_kernel.serves(mx.zeros((16, 64), dtype=mx.int32))
+    large = mx.zeros((ROW_PRODUCT_BYTES // 256 + 1, 64))
+    assert served_by_rows(large) == row_kernel.available()  # the CPU keeps the matmul
