@@ -1,83 +1,88 @@
-"""A few rows times a large weight, `x [M, K] @ w[N, K].T` for 2 <= M <= 32, as one CUDA kernel.
+"""A few rows times a large weight, `x [M, K] @ w[N, K].T` for 1 <= M <= 32, as one CUDA kernel.
 
 MLX 0.32's CUDA backend multiplies more than one row through cuBLASLt and builds the
-GEMM's descriptors and asks its heuristic on every call: tens of microseconds of host
-time per matmul, over a hundred matmuls per step of a released model's shape, so a
-16-lane step or a 9-row verify is bound by its launches, not by reading the weights
-(bench/results/README.md, "The H200 runs"). Here each warp reads COLS rows of the weight
-once, 16 bytes per thread per step along K, and multiplies them into every one of the M
-rows (read through the L1 cache, where they stay: M x K is small), accumulating in
-float32; a warp-wide sum finishes each output. The launch is a kernel node and nothing
-else. Shapes are read at run time, so one compiled kernel per dtype and row bucket
-serves every map of a model.
+GEMM's descriptors and asks its heuristic on every call: host time per matmul that a
+16-lane step or a 9-row verify of a released model's shape pays over a hundred times
+(bench/results/README.md, "The H200 runs"). This kernel is a plain launch. It runs on the
+tensor cores (`mma.sync` m16n8k16, bfloat16 or float16 in, float32 sums): a block owns
+8 columns of the output (8 rows of the weight) for all M rows, padded to one or two tiles
+of 16; its warps take turns along K in chunks of 32, each thread loading 16 bytes of a
+weight row and of two rows of x per chunk, and the warps' partial sums are added in a
+fixed order at the end, so a product never depends on how many rows came with it.
+
+Inside a chunk the mma's 16 positions of K are mapped onto the thread's contiguous 8
+elements (logical k = 2t + e and 8 + 2t + e, t = lane % 4, are physical 8t + e and
+8t + 2 + e, then 8t + 4 + e and 8t + 6 + e for the chunk's second mma): the same map for
+x and for the weight leaves each dot product unchanged and lets every load be one vector.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-WARPS = 4  # per block
+WARPS = 8  # per block, along K
 MAX_ROWS = 32
-VECTOR = 8  # elements per 16-byte load of bf16 / fp16 (two loads for float32)
+VECTOR = 8  # elements per 16-byte load
 
 _HEADER = """
-__device__ __forceinline__ void load8(const float* p, float* out) {
-    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
-    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w; out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(pairs[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+__device__ __forceinline__ void mma_f16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void load8(const __half* p, float* out) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 f = __half22float2(pairs[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+// One chunk's two mmas for a 16-row tile: `lo` holds row g's 8 elements, `hi` row g + 8's, `w` the weight row's.
+template <bool BF16>
+__device__ __forceinline__ void chunk(float* c, const uint4& lo, const uint4& hi, const uint4& w) {
+    if (BF16) {
+        mma_bf16(c, lo.x, hi.x, lo.y, hi.y, w.x, w.y);
+        mma_bf16(c, lo.z, hi.z, lo.w, hi.w, w.z, w.w);
+    } else {
+        mma_f16(c, lo.x, hi.x, lo.y, hi.y, w.x, w.y);
+        mma_f16(c, lo.z, hi.z, lo.w, hi.w, w.z, w.w);
+    }
 }
 """
 
-# Template constants: ROWS (a bound on M), COLS (weight rows per warp), WARPS.
+# Template constants: TILES (16-row tiles of x: 1 or 2), BF16, WARPS, Y (the output type).
 _SOURCE = """
+    __shared__ float partial[WARPS][TILES * 4][32];
     const int m_rows = x_shape[0], k_len = x_shape[1], n_len = w_shape[0];
-    const int lane = threadIdx.x % 32;
-    const int n0 = (blockIdx.x * WARPS + threadIdx.x / 32) * COLS;
-    if (n0 >= n_len) return;
-    float acc[COLS][ROWS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    const int n = blockIdx.x * 8 + g;  // the weight row this thread loads
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    float acc[TILES][4];
     #pragma unroll
-    for (int c = 0; c < COLS; ++c)
+    for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    #pragma unroll 4
+    for (int k = (warp * 4 + t) * 8; k - t * 8 < k_len; k += WARPS * 32) {
+        const bool in_k = k < k_len;
+        const uint4 wv = (in_k && n < n_len) ? *reinterpret_cast<const uint4*>(w + (size_t)n * k_len + k) : zero;
         #pragma unroll
-        for (int m = 0; m < ROWS; ++m) acc[c][m] = 0.0f;
-    for (int k = lane * 8; k < k_len; k += 32 * 8) {
-        float wv[COLS][8];
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c)
-            if (n0 + c < n_len) load8(w + (size_t)(n0 + c) * k_len + k, wv[c]);
-            else for (int i = 0; i < 8; ++i) wv[c][i] = 0.0f;
-        #pragma unroll
-        for (int m = 0; m < ROWS; ++m) {
-            if (m < m_rows) {
-                float xv[8];
-                load8(x + (size_t)m * k_len + k, xv);
-                #pragma unroll
-                for (int c = 0; c < COLS; ++c)
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[c][m] = fmaf(wv[c][i], xv[i], acc[c][m]);
-            }
+        for (int i = 0; i < TILES; ++i) {
+            const int lo_row = i * 16 + g, hi_row = lo_row + 8;
+            const uint4 lo = (in_k && lo_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)lo_row * k_len + k) : zero;
+            const uint4 hi = (in_k && hi_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)hi_row * k_len + k) : zero;
+            chunk<BF16>(acc[i], lo, hi, wv);
         }
     }
     #pragma unroll
-    for (int c = 0; c < COLS; ++c)
+    for (int i = 0; i < TILES; ++i)
         #pragma unroll
-        for (int m = 0; m < ROWS; ++m) {
-            if (m < m_rows) {
-                float v = acc[c][m];
-                #pragma unroll
-                for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-                if (lane == 0 && n0 + c < n_len) y[(size_t)m * n_len + n0 + c] = static_cast<Y>(v);
-            }
+        for (int j = 0; j < 4; ++j) partial[warp][i * 4 + j][lane] = acc[i][j];
+    __syncthreads();
+    if (warp != 0) return;
+    #pragma unroll
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float sum = 0.0f;
+            for (int v = 0; v < WARPS; ++v) sum += partial[v][i * 4 + j][lane];
+            // c0, c1: row g, columns 2t and 2t + 1 of the block's 8; c2, c3: row g + 8.
+            const int row = i * 16 + g + (j >= 2 ? 8 : 0), col = blockIdx.x * 8 + 2 * t + (j & 1);
+            if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
         }
 """
 
@@ -87,25 +92,17 @@ def available() -> bool:
 
 
 def serves(weight: mx.array) -> bool:
-    """Whether the kernel can multiply rows by `weight`: a plain 2-D float weight whose
-    rows are a whole number of 16-byte loads."""
-    return weight.ndim == 2 and weight.dtype in (mx.bfloat16, mx.float16, mx.float32) and weight.shape[1] % VECTOR == 0
-
-
-def row_bucket(rows: int) -> tuple[int, int]:
-    """(ROWS, COLS) for M rows: the accumulators are COLS x ROWS floats per thread."""
-    if rows <= 8:
-        return 8, 4
-    if rows <= 16:
-        return 16, 2
-    return MAX_ROWS, 1
+    """Whether the kernel can multiply rows by `weight`: a plain 2-D bfloat16 or float16
+    weight (the tensor cores' inputs; float32 stays exact with MLX's own matmul) whose rows
+    are a whole number of 16-byte loads."""
+    return weight.ndim == 2 and weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % VECTOR == 0
 
 
 _kernel = None
 
 
 def rows_times_weight(x: mx.array, weight: mx.array) -> mx.array:
-    """`x @ weight.T` for `x [M, K]` (2 <= M <= MAX_ROWS) and `weight [N, K]`, both of one dtype."""
+    """`x @ weight.T` for `x [M, K]` (1 <= M <= MAX_ROWS) and `weight [N, K]`, both of one dtype."""
     global _kernel
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"the row kernel multiplies 1 to {MAX_ROWS} rows, not {x.shape[0]}")
@@ -113,11 +110,10 @@ def rows_times_weight(x: mx.array, weight: mx.array) -> mx.array:
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
                                       source=_SOURCE, header=_HEADER)
     rows, n = x.shape[0], weight.shape[0]
-    bucket, cols = row_bucket(rows)
-    per_block = WARPS * cols
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
-        template=[("Y", weight.dtype), ("ROWS", bucket), ("COLS", cols), ("WARPS", WARPS)],
-        grid=(-(-n // per_block) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        template=[("Y", weight.dtype), ("TILES", 1 if rows <= 16 else 2), ("BF16", weight.dtype == mx.bfloat16),
+                  ("WARPS", WARPS)],
+        grid=(-(-n // 8) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[weight.dtype])
     return y
