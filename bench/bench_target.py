@@ -1,7 +1,7 @@
 """What laneserve serves against mlx-lm's batched generator: decode throughput, side by side.
 
     python -m bench.bench_target --model DIR --out bench/results --name cpu-tiny-dense
-        [--widths 1,4,8,16] [--prompt-tokens 512] [--gen-tokens 128] [--min-seconds 5] [--alternations 5]
+        [--widths 1,4,8,16] [--prompt-tokens 512] [--gen-tokens 128] [--min-seconds 5] [--alternations 5] [--cublas]
 
 Both systems load the same checkpoint into the same process and decode the same prompts
 greedily. laneserve runs as it serves: its `Engine` with no drafter, so every round is a
@@ -11,12 +11,13 @@ holding exactly N sequences (its own pipelining included). Only the decode phase
 timed: for each batch of N distinct random prompts of P tokens, every prompt is read and
 its first token produced untimed, then G tokens per lane are timed, N*G tokens over the
 wall time. A run repeats such batches until its timed decode reaches `--min-seconds`
-(noise on a shared machine is large against a one-second run). Per width the two systems
-alternate `--alternations` times (laneserve first on even alternations, mlx-lm first on
-odd ones) after one untimed batch each; reported: each system's median tok/s with its
-min and max, and the median, min and max of the per-alternation ratio (the two runs of
-an alternation ran back to back). Neither stops at an eos token, so both decode all G
-tokens; 'agree' counts the lanes of each width's first batch whose tokens are identical
+(noise on a shared machine is large against a one-second run). Per width the systems
+alternate `--alternations` times (each going first in turn) after one untimed batch each;
+reported: each system's median tok/s with its min and max, and the median, min and max of
+the per-alternation ratio (the runs of an alternation ran back to back). `--cublas` adds
+the engine again with every product of several rows through MLX's matmul (`by_rows` off:
+cuBLASLt), to measure laneserve's row products side by side. Neither stops at an eos
+token, so both decode all G tokens; 'agree' counts the lanes of each width's first batch whose tokens are identical
 in both (bf16 near-ties can split them, which says nothing about speed). Writes NAME.json
 (settings, every run) and NAME.md.
 """
@@ -127,6 +128,9 @@ def run(args) -> dict:
     record = provenance()
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths))
     systems = {"laneserve": LaneserveDecode(loaded, max(args.widths)), "mlx_lm": MlxLmDecode(load_mlx_lm(args.model, args.dtype), args.chunk)}
+    if args.cublas:  # the engine again, every product of several rows through MLX's matmul
+        plain = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths), by_rows=False)
+        systems["laneserve_cublas"] = LaneserveDecode(plain, max(args.widths))
     vocab = loaded.target.vocab_size
     rng = np.random.default_rng(args.seed)
     load_before = os.getloadavg()[0]
@@ -136,17 +140,22 @@ def run(args) -> dict:
         first = make_prompts()
         tokens = {name: system.batch(first, args.gen_tokens)[2] for name, system in systems.items()}  # untimed
         agree = sum(a == b for a, b in zip(tokens["laneserve"], tokens["mlx_lm"]))
-        runs = {"laneserve": [], "mlx_lm": []}
-        ratios = []
+        runs = {name: [] for name in systems}
+        ratios = {name: [] for name in systems if name != "mlx_lm"}
         for alternation in range(args.alternations):
-            order = ["laneserve", "mlx_lm"] if alternation % 2 == 0 else ["mlx_lm", "laneserve"]
+            names = list(systems)
+            order = names[alternation % len(names):] + names[:alternation % len(names)]  # each goes first in turn
             for name in order:
                 runs[name].append(timed_run(systems[name], make_prompts, args.gen_tokens, args.min_seconds))
-            ratios.append(runs["laneserve"][-1]["tok_s"] / runs["mlx_lm"][-1]["tok_s"])
+            for name in ratios:
+                ratios[name].append(runs[name][-1]["tok_s"] / runs["mlx_lm"][-1]["tok_s"])
             print(f"width {n}, alternation {alternation + 1}: " + ", ".join(
                 f"{name} {runs[name][-1]['tok_s']:.1f} tok/s ({runs[name][-1]['seconds']:.1f} s)" for name in order
-            ) + f", ratio {ratios[-1]:.2f}", flush=True)
-        row = {"lanes": n, "agree": f"{agree}/{n}", "ratio": spread(ratios), "runs": runs}
+            ) + f", ratio {ratios['laneserve'][-1]:.2f}", flush=True)
+        row = {"lanes": n, "agree": f"{agree}/{n}", "ratio": spread(ratios["laneserve"]), "runs": runs}
+        if args.cublas:
+            row["cublas_ratio"] = spread(ratios["laneserve_cublas"])
+            row["kernel_gain"] = spread([a["tok_s"] / b["tok_s"] for a, b in zip(runs["laneserve"], runs["laneserve_cublas"])])
         for name in systems:
             row[f"{name}_tok_s"] = spread([r["tok_s"] for r in runs[name]])
         rows.append(row)
@@ -159,6 +168,7 @@ def run(args) -> dict:
         "gen_tokens": args.gen_tokens,
         "min_seconds": args.min_seconds,
         "alternations": args.alternations,
+        "cublas": args.cublas,
         "mlx_lm": version("mlx-lm"),
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: contention
@@ -188,6 +198,13 @@ def markdown(result: dict) -> str:
     ]
     for r in result["rows"]:
         lines.append(f"| {r['lanes']} | {fmt(r['laneserve_tok_s'])} | {fmt(r['mlx_lm_tok_s'])} | {fmt(r['ratio'], 2, 'x')} | {r['agree']} |")
+    if result.get("cublas"):
+        lines += ["", "The engine again with every product of several rows through MLX's matmul (cuBLASLt), in the same "
+                  "alternations (`--cublas`); the row products' gain is laneserve / this, per alternation:", "",
+                  "| lanes | laneserve (cuBLASLt) tok/s | its / mlx-lm | laneserve / laneserve (cuBLASLt) |",
+                  "| ---: | ---: | ---: | ---: |"]
+        for r in result["rows"]:
+            lines.append(f"| {r['lanes']} | {fmt(r['laneserve_cublas_tok_s'])} | {fmt(r['cublas_ratio'], 2, 'x')} | {fmt(r['kernel_gain'], 2, 'x')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -204,6 +221,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512, help="mlx-lm's prefill step (laneserve reads prompts its own way)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast both models to this dtype (default: as stored)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument("--cublas", action="store_true",
+                        help="also run the engine with every product of several rows through MLX's matmul (by_rows off)")
     args = parser.parse_args()
     result = run(args)
     name = args.name or Path(args.model).name
