@@ -2,7 +2,7 @@
 its products equal float32 products within the weights' rounding, for every row count it
 serves and for weights whose rows do not fill its blocks, and a row's product does not
 depend on the rows that come with it; `row_products` takes it for large
-weights on CUDA only. The kernel tests run only where MLX has its CUDA backend."""
+weights and up to 16 rows on CUDA only. The kernel tests run only where MLX has its CUDA backend."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from families.lfm2 import row_kernel
-from families.lfm2.model import ROW_PRODUCT_BYTES, row_products, served_by_rows
+from families.lfm2.model import ROW_KERNEL_ROWS, ROW_PRODUCT_BYTES, row_products, served_by_rows
 
 needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
 
@@ -53,13 +53,15 @@ def test_a_row_is_the_same_whatever_rows_come_with_it(on_gpu):
 
 
 @needs_cuda
-def test_row_products_take_the_kernel_for_large_weights(on_gpu):
+def test_row_products_take_the_kernel_for_large_weights_and_few_rows(on_gpu):
     k = 1024
     weight = mx.random.normal((ROW_PRODUCT_BYTES // (2 * k) + 8, k)).astype(mx.bfloat16)
     assert served_by_rows(weight)
     x = mx.random.normal((2, 5, k)).astype(mx.bfloat16)
     np.testing.assert_array_equal(np.array(row_products(weight, x).astype(mx.float32)),
                                   np.array(row_kernel.rows_times_weight(x.reshape(10, k), weight).reshape(2, 5, -1).astype(mx.float32)))
+    wide = mx.random.normal((ROW_KERNEL_ROWS + 1, k)).astype(mx.bfloat16)  # past where the kernel measured at par
+    np.testing.assert_array_equal(np.array(row_products(weight, wide).astype(mx.float32)), np.array((wide @ weight.T).astype(mx.float32)))
 
 
 def test_only_kernel_shapes_are_served():

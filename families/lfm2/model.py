@@ -92,25 +92,26 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
 # tens of microseconds of host time per matmul, more than a small weight's whole product
 # and, over the hundred-odd maps of a released model's step, more than its weights take
 # to read (a 16-lane step of the 2.6B shape issued as many kernels as a one-lane step and
-# took 2.6 times as long). A few rows (up to the widest verify window, 32 rows,
-# `lanes.round.VERIFY_WIDTH_CEILING`) are served instead without cuBLASLt: times a small
-# weight (at most 4 MiB: every map of the embedded default) as one matrix-vector product
-# per row, one batched GEMV launch reading the weight once per row from cache; times a
-# larger one by laneserve's own kernel (`row_kernel`, CUDA only), which reads it once.
+# took 2.6 times as long). A few rows are served instead without cuBLASLt: times a small
+# weight (at most 4 MiB: every map of the embedded default), up to the widest verify
+# window (32 rows, `lanes.round.VERIFY_WIDTH_CEILING`), as one matrix-vector product per
+# row, one batched GEMV launch reading the weight once per row from cache; times a larger
+# one, up to 16 rows (where it measured no slower than cuBLASLt, see there), by
+# laneserve's own kernel (`row_kernel`, CUDA only), which reads it once.
 ROW_PRODUCT_ROWS = 32
 ROW_PRODUCT_BYTES = 4 * 2**20
+ROW_KERNEL_ROWS = 16
 
 
 def row_products(weight: mx.array, x: mx.array) -> mx.array:
-    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: for 2..ROW_PRODUCT_ROWS rows,
-    one matrix-vector product per row (a small weight) or the row kernel (a larger one,
-    where it serves), else one matmul."""
+    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: one matrix-vector product per
+    row for a small weight and 2..ROW_PRODUCT_ROWS rows, the row kernel for a larger one
+    and 2..ROW_KERNEL_ROWS rows (where it serves), else one matmul."""
     rows = x.size // x.shape[-1]
-    if 1 < rows <= ROW_PRODUCT_ROWS:
-        if weight.nbytes <= ROW_PRODUCT_BYTES:
-            return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
-        if row_kernel.available() and row_kernel.serves(weight):
-            return row_kernel.rows_times_weight(x.reshape(rows, -1), weight).reshape(*x.shape[:-1], weight.shape[0])
+    if 1 < rows <= ROW_PRODUCT_ROWS and weight.nbytes <= ROW_PRODUCT_BYTES:
+        return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
+    if 1 < rows <= ROW_KERNEL_ROWS and row_kernel.available() and row_kernel.serves(weight):
+        return row_kernel.rows_times_weight(x.reshape(rows, -1), weight).reshape(*x.shape[:-1], weight.shape[0])
     return x @ weight.T
 
 

@@ -10,6 +10,12 @@ of 16; its warps take turns along K in chunks of 32, each thread loading 16 byte
 weight row and of two rows of x per chunk, and the warps' partial sums are added in a
 fixed order at the end, so a product never depends on how many rows came with it.
 
+Measured on the H200 (bench/results/gpu/session13/): a 2.6B step's 121 products take as
+long as with MLX's matmul for 2-16 rows alone (`bench_rows`), and with this kernel the
+engine decodes 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target --cublas`). With
+two tiles, 17-32 rows, it ran 0.64-0.87x MLX's matmul, so serving takes it for up to 16
+rows only (`families.lfm2.model.ROW_KERNEL_ROWS`); `bench_rows` measures it past that.
+
 Inside a chunk the mma's 16 positions of K are mapped onto the thread's contiguous 8
 elements (logical k = 2t + e and 8 + 2t + e, t = lane % 4, are physical 8t + e and
 8t + 2 + e, then 8t + 4 + e and 8t + 6 + e for the chunk's second mma): the same map for
