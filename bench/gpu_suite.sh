@@ -4,9 +4,12 @@
 #
 #   source .device/setup.sh && BENCH_COMMIT=<commit> bash bench/gpu_suite.sh OUT MODE
 #
-#   target    bench_target, LFM2.5-2.6B shape at 1, 8 and 16 lanes    -> gpu-lfm2.5-2.6b.{json,md}
-#   8b        bench_target, LFM2-8B-A1B shape at 16 lanes, and its
-#             load memory                                             -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
+#   target    bench_target, LFM2.5-2.6B shape at 1, 8 and 16 lanes,
+#             with the engine on cuBLASLt beside it (--cublas)        -> gpu-lfm2.5-2.6b.{json,md}
+#   8b        bench_target, LFM2-8B-A1B shape at 16 lanes (--cublas
+#             too), and its load memory                               -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
+#   rows      bench_rows, 2.6B shape: a step's products for 2-32 rows,
+#             laneserve's row kernel against MLX's matmul             -> rows-2.6b.{json,md}
 #   drafting  bench_drafting (2.6B shape, published drafter shape),
 #             bench_default on the embedded default, greedy           -> drafting.*, default.*
 #   engine    bench_engine, scripted acceptance at the published
@@ -31,7 +34,7 @@
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
 # machine. A failing step does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|drafting|engine|long|upkeep|prefix|prompts|fuse"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -52,12 +55,16 @@ checkpoints_2_6b() {
 case "$mode" in
 target)
   checkpoints_2_6b
-  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16
+  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16 --cublas
   ;;
 8b)
   [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
-  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --widths 16
+  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --widths 16 --cublas
   step python -m bench.bench_load_memory --model "$ck/8b" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
+  ;;
+rows)
+  checkpoints_2_6b
+  step python -m bench.bench_rows --model "$ck/2.6b" --out "$out" --name rows-2.6b --rows 2,4,8,9,16,17,32 --seconds 1.5
   ;;
 drafting)
   checkpoints_2_6b
