@@ -13,7 +13,8 @@
 #   drafting  bench_drafting (2.6B shape, published drafter shape),
 #             bench_default on the embedded default, greedy           -> drafting.*, default.*
 #   engine    bench_engine, scripted acceptance at the published
-#             profile, 1/4/8/16 streams                               -> engine.{json,md}, engine.log.gz
+#             profile, 1/4/8/16 streams, runs of 1024 tokens per
+#             stream (about 2.5-8 s; 128 gave runs under a second)    -> engine.{json,md}, engine.log.gz
 #   long      bench_engine, acceptance falling with context, 4K to
 #             126K tokens, guards on, runs of 1024 tokens (about 5 s
 #             at 126K), 10 alternations (each prompt read once per
@@ -74,7 +75,7 @@ drafting)
 engine)
   checkpoints_2_6b
   step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --alternations 5 \
-    --log "$out/engine.log"
+    --gen-tokens 1024 --log "$out/engine.log"
   gzip -f "$out/engine.log"
   ;;
 long)
