@@ -26,8 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from bench.provenance import markdown_line, provenance, write_result
-from families.lfm2 import open_target
-from families.lfm2 import row_kernel
+from families.lfm2 import open_target, row_kernel
 
 
 def step_weights(model: nn.Module) -> list[mx.array]:
@@ -104,8 +103,8 @@ def markdown(result: dict) -> str:
         return f"{s['median']:.3f}{unit} [{s['min']:.3f}-{s['max']:.3f}]"
 
     lines = [markdown_line(result), "",
-             f"{result['maps']} products a pass ({result['weight_bytes'] / 1e9:.2f} GB of weights); "
-             f"one row by MLX's GEMV: {result['one_row_matmul_ms']:.3f} ms a pass.", "",
+             (f"{result['maps']} products a pass ({result['weight_bytes'] / 1e9:.2f} GB of weights); "
+              f"one row by MLX's GEMV: {result['one_row_matmul_ms']:.3f} ms a pass."), "",
              "| rows | row kernel ms | MLX matmul ms | matmul / kernel |", "| ---: | ---: | ---: | ---: |"]
     for c in result["cells"]:
         lines.append(f"| {c['rows']} | {cell(c['kernel_ms'])} | {cell(c['matmul_ms'])} | {cell(c['speedup'], 'x')} |")

@@ -1,4 +1,5 @@
-"""Tiny checkpoints made on the fly in the real on-disk formats, shared by the session."""
+"""Tiny checkpoints made on the fly in the real on-disk formats, shared by the session; the CPU
+in float32 for every test, the GPU for the CUDA kernel tests that ask for it."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def moe_drafter_dir(moe_dir, tmp_path_factory):
 def _cpu_float32():
     # Tests run in float32 on the CPU: bf16 and quantized CPU kernels are slow, and
     # MoE gather_mm supports only float32 there.
+    mx.set_default_device(mx.cpu)
+
+
+@pytest.fixture
+def on_gpu():
+    """A CUDA kernel test's device (see tests/cuda.py), the CPU again after it."""
+    mx.set_default_device(mx.gpu)
+    yield
     mx.set_default_device(mx.cpu)
 
 

@@ -12,15 +12,7 @@ from families.lfm2.drafter import load_drafter
 from families.lfm2.drafter.chain import FusedGreedyChain
 from families.lfm2.loader import load_model
 from families.lfm2.target import Lfm2Target
-
-needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
-
-@pytest.fixture
-def on_gpu():
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(mx.cpu)
+from tests.cuda import needs_cuda
 
 
 def chain_as_operations(base, anchors, w1, w2):

@@ -11,16 +11,13 @@ import numpy as np
 import pytest
 
 from families.lfm2 import row_kernel
-from families.lfm2.model import ROW_KERNEL_ROWS, ROW_PRODUCT_BYTES, row_products, served_by_rows
-
-needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
-
-
-@pytest.fixture
-def on_gpu():
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(mx.cpu)
+from families.lfm2.model import (
+    ROW_KERNEL_ROWS,
+    ROW_PRODUCT_BYTES,
+    row_products,
+    served_by_rows,
+)
+from tests.cuda import needs_cuda
 
 
 @needs_cuda
