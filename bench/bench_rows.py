@@ -41,15 +41,19 @@ def products(weights: list[mx.array], xs: list[mx.array], kernel: bool) -> list[
     return [x @ w.T for x, w in zip(xs, weights)]
 
 
-def pass_ms(weights, xs, kernel: bool, seconds: float) -> float:
-    """Median milliseconds of a pass, passes repeated for `seconds`."""
+def time_passes(outputs, seconds: float) -> float:
+    """Median milliseconds to build and evaluate `outputs()`, repeated for `seconds`."""
     times = []
     began = time.perf_counter()
     while time.perf_counter() - began < seconds:
         start = time.perf_counter()
-        mx.eval(products(weights, xs, kernel))
+        mx.eval(outputs())
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def pass_ms(weights, xs, kernel: bool, seconds: float) -> float:
+    return time_passes(lambda: products(weights, xs, kernel), seconds)
 
 
 def agreement(weight: mx.array, rows: int) -> dict:

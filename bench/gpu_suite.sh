@@ -10,6 +10,11 @@
 #             too), and its load memory                               -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
 #   rows      bench_rows, 2.6B shape: a step's products for 2-32 rows,
 #             laneserve's row kernel against MLX's matmul             -> rows-2.6b.{json,md}
+#   experts   bench_experts, LFM2-8B-A1B shape: a step's expert products
+#             for 1-16 rows, laneserve's expert kernel against
+#             gather_mm                                               -> experts-8b.{json,md}
+#   anatomy8b step_anatomy, LFM2-8B-A1B shape at 16 lanes, kernel times
+#             under Nsight Compute against mlx-lm's                   -> step-anatomy-8b.{json,md}
 #   drafting  bench_drafting (2.6B shape, published drafter shape),
 #             bench_default on the embedded default, greedy           -> drafting.*, default.*
 #   engine    bench_engine, scripted acceptance at the published
@@ -35,7 +40,7 @@
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
 # machine. A failing step does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|drafting|engine|long|upkeep|prefix|prompts|fuse"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|anatomy8b|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -53,15 +58,27 @@ checkpoints_2_6b() {
     --block-size 9 --taps 2,9,17,21,27 --rope-theta 1e7 --dtype bfloat16
 }
 
+checkpoint_8b() {
+  [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
+}
+
 case "$mode" in
 target)
   checkpoints_2_6b
   step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16 --cublas
   ;;
 8b)
-  [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
+  checkpoint_8b
   step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --widths 16 --cublas
   step python -m bench.bench_load_memory --model "$ck/8b" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
+  ;;
+experts)
+  checkpoint_8b
+  step python -m bench.bench_experts --model "$ck/8b" --out "$out" --name experts-8b --rows 1,2,4,8,16 --seconds 1.5
+  ;;
+anatomy8b)
+  checkpoint_8b
+  step python -m bench.step_anatomy --model "$ck/8b" --out "$out" --name step-anatomy-8b --lanes 16 --kernels
   ;;
 rows)
   checkpoints_2_6b

@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import row_kernel
+from . import expert_kernel, row_kernel
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -353,9 +353,20 @@ class Experts(nn.Module):
         """Serve w1 and w3 from one gathered matmul `w13` (where they merge exactly)."""
         merge_parts(self, ("w1", "w3"), "w13", merge=merged_expert_linear)
 
+    def maps(self) -> list[nn.Module]:
+        return [self[name] for name in ("w13", "w1", "w3", "w2") if name in self]
+
+    def serve_by_kernel(self) -> None:
+        """Multiply a few rows by their experts with `expert_kernel` (CUDA only) where
+        every map is unquantized in its dtypes."""
+        self.by_kernel = expert_kernel.available() and all(
+            type(m) is ExpertLinear and expert_kernel.serves(m.weight, 1, 1) for m in self.maps())
+
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         """x [R, H], chosen [R, k] -> [R, k, H]."""
         rows, k = chosen.shape
+        if getattr(self, "by_kernel", False) and expert_kernel.serves(self.maps()[0].weight, rows, k):
+            return self.kernel_products(x, chosen).reshape(rows, k, -1)
         # Many rows: sort the (row, expert) pairs by expert so each expert's weights are
         # read once; x becomes [R*k, 1, H] against indices [R*k].
         sort = chosen.size >= 64
@@ -371,6 +382,16 @@ class Experts(nn.Module):
         if sort:
             return y[mx.argsort(order)].reshape(rows, k, -1)
         return y.squeeze(-2)
+
+    def kernel_products(self, x: mx.array, chosen: mx.array) -> mx.array:
+        """The experts' SwiGLU by `expert_kernel`: rows and choices as they come, no sort
+        and no gathers -> `[R * k, H]`."""
+        times = expert_kernel.rows_times_experts
+        if "w13" in self:
+            h = swiglu(*mx.split(times(x, self.w13.weight, chosen), 2, axis=-1))
+        else:
+            h = swiglu(times(x, self.w1.weight, chosen), times(x, self.w3.weight, chosen))
+        return times(h, self.w2.weight, chosen)
 
 
 class SparseMoE(nn.Module):
@@ -393,6 +414,8 @@ class SparseMoE(nn.Module):
         x = x.reshape(-1, x.shape[-1])
         if isinstance(self.gate, nn.QuantizedLinear):
             scores = mx.sigmoid(self.gate(x).astype(mx.float32))
+        elif isinstance(self.gate, RowProductLinear):  # served by rows (see Lfm2Model.serve_by_rows)
+            scores = mx.sigmoid(row_products(self.gate.weight.astype(mx.float32), x.astype(mx.float32)))
         else:
             scores = mx.sigmoid(x.astype(mx.float32) @ self.gate.weight.astype(mx.float32).T)
         ranking = scores + self["expert_bias"] if "expert_bias" in self else scores
@@ -444,8 +467,12 @@ class Lfm2Model(nn.Module):
 
     def serve_by_rows(self) -> None:
         """Serve a few rows times the weights by `row_products`, the tied head too where
-        its table is not quantized (a GPU backend's choice, see there)."""
+        its table is not quantized, and a few rows times their experts by `expert_kernel`
+        (a GPU backend's choice, see there)."""
         serve_linears_by_rows(self)
+        for layer in self.layers:
+            if isinstance(layer.feed_forward, SparseMoE):
+                layer.feed_forward.experts.serve_by_kernel()
         table = self.embed_tokens
         self.head_by_rows = type(table) is nn.Embedding and served_by_rows(table.weight)
 

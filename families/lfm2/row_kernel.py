@@ -30,7 +30,7 @@ WARPS = 8  # per block, along K
 MAX_ROWS = 32
 VECTOR = 8  # elements per 16-byte load
 
-_HEADER = """
+MMA_HEADER = """
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -114,7 +114,7 @@ def rows_times_weight(x: mx.array, weight: mx.array) -> mx.array:
         raise ValueError(f"the row kernel multiplies 1 to {MAX_ROWS} rows, not {x.shape[0]}")
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
-                                      source=_SOURCE, header=_HEADER)
+                                      source=_SOURCE, header=MMA_HEADER)
     rows, n = x.shape[0], weight.shape[0]
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
