@@ -81,6 +81,26 @@ def test_experts_take_the_kernel_on_cuda_for_a_few_rows(on_gpu):
     assert mx.abs(by_kernel.astype(mx.float32) - gathered.astype(mx.float32)).max().item() < 2e-2 * scale
 
 
+@needs_cuda
+@pytest.mark.parametrize("rows", [3, 16, 40])  # 12 pairs gather unsorted, 64 and 160 sorted
+def test_gathered_experts_equal_float32_products(on_gpu, rows):
+    """The path the kernel does not take (quantized or float32 experts, more than 16 rows),
+    through MLX's gather_mm."""
+    rng = np.random.default_rng(rows)
+    experts = Experts(16, 64, 48)
+    for m in (experts.w1, experts.w3, experts.w2):
+        m.weight = mx.array(rng.standard_normal(m.weight.shape).astype(np.float32) * 0.2).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((rows, 64)).astype(np.float32)).astype(mx.bfloat16)
+    chosen = routed(rng, rows, 16, 4)
+    w1, w3, w2 = (np.array(m.weight.astype(mx.float32)) for m in (experts.w1, experts.w3, experts.w2))
+    xs = np.array(x.astype(mx.float32))
+    gate, up = float32_products(xs, w1, chosen), float32_products(xs, w3, chosen)
+    exact = float32_products(gate / (1 + np.exp(-gate)) * up, w2, chosen).reshape(rows, 4, -1)
+    experts.merge_projections()
+    got = np.array(experts(x, mx.array(chosen)).astype(mx.float32))
+    np.testing.assert_allclose(got, exact, rtol=3e-2, atol=3e-2 * np.abs(exact).max())
+
+
 def test_only_kernel_shapes_are_served():
     weight = mx.zeros((8, 16, 64), dtype=mx.bfloat16)
     assert expert_kernel.serves(weight, 16, 4)

@@ -368,11 +368,14 @@ class Experts(nn.Module):
         if getattr(self, "by_kernel", False) and expert_kernel.serves(self.maps()[0].weight, rows, k):
             return self.kernel_products(x, chosen).reshape(rows, k, -1)
         # Many rows: sort the (row, expert) pairs by expert so each expert's weights are
-        # read once; x becomes [R*k, 1, H] against indices [R*k].
+        # read once; x becomes [R*k, 1, H] against indices [R*k]. The axis is inserted
+        # before the gather, whose output has a row stride of H: MLX 0.32's CUDA sorted
+        # gather_mm takes the row stride from the singleton axis, which an inserted axis
+        # gives a stride of 1 (silently wrong products, ml-explore/mlx#4253).
         sort = chosen.size >= 64
         if sort:
             order = mx.argsort(chosen.flatten())
-            x, index = x[order // k][:, None, :], chosen.flatten()[order]
+            x, index = x[:, None, :][order // k], chosen.flatten()[order]
         else:
             x, index = x[:, None, None, :], chosen  # [R, 1, 1, H] against [R, k]
         if "w13" in self:
