@@ -357,15 +357,16 @@ class Experts(nn.Module):
         return [self[name] for name in ("w13", "w1", "w3", "w2") if name in self]
 
     def serve_by_kernel(self) -> None:
-        """Multiply a few rows by their experts with `expert_kernel` (CUDA only) where
-        every map is unquantized in its dtypes."""
+        """Multiply 2-16 rows by their experts with `expert_kernel` (CUDA only; one row
+        keeps gather_mm's GEMV, measured faster there) where every map is unquantized in
+        its dtypes."""
         self.by_kernel = expert_kernel.available() and all(
             type(m) is ExpertLinear and expert_kernel.serves(m.weight, 1, 1) for m in self.maps())
 
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         """x [R, H], chosen [R, k] -> [R, k, H]."""
         rows, k = chosen.shape
-        if getattr(self, "by_kernel", False) and expert_kernel.serves(self.maps()[0].weight, rows, k):
+        if getattr(self, "by_kernel", False) and rows > 1 and expert_kernel.serves(self.maps()[0].weight, rows, k):
             return self.kernel_products(x, chosen).reshape(rows, k, -1)
         # Many rows: sort the (row, expert) pairs by expert so each expert's weights are
         # read once; x becomes [R*k, 1, H] against indices [R*k]. The axis is inserted
