@@ -2,7 +2,7 @@
 (families/lfm2/expert_kernel.py): its products equal float32 products within the weights'
 rounding, for rows shared by a row's pairs and for a row per pair, for experts no row
 chose and weights whose rows do not fill its blocks; a pair's product does not depend on
-the rows that come with it; a MoE layer's experts take it on CUDA only, for up to 16 rows.
+the rows that come with it; a MoE layer's experts take it on CUDA only, for 2-16 rows.
 The kernel tests run only where MLX has its CUDA backend."""
 
 from __future__ import annotations
@@ -70,10 +70,13 @@ def test_experts_take_the_kernel_on_cuda_for_a_few_rows(on_gpu):
     experts.merge_projections()
     x = mx.random.normal((6, 64)).astype(mx.bfloat16)
     chosen = mx.array(routed(np.random.default_rng(0), 6, 8, 2))
-    gathered = experts(x, chosen)
+    gathered, one_gathered = experts(x, chosen), experts(x[:1], chosen[:1])
     experts.serve_by_kernel()
     assert experts.by_kernel
     by_kernel = experts(x, chosen)
+    # One row keeps gather_mm's GEMV.
+    np.testing.assert_array_equal(np.array(experts(x[:1], chosen[:1]).astype(mx.float32)),
+                                  np.array(one_gathered.astype(mx.float32)))
     assert by_kernel.shape == gathered.shape == (6, 2, 64)
     np.testing.assert_array_equal(np.array(by_kernel.astype(mx.float32)),
                                   np.array(experts.kernel_products(x, chosen).reshape(6, 2, 64).astype(mx.float32)))
