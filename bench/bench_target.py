@@ -15,8 +15,9 @@ wall time. A run repeats such batches until its timed decode reaches `--min-seco
 alternate `--alternations` times (each going first in turn) after one untimed batch each;
 reported: each system's median tok/s with its min and max, and the median, min and max of
 the per-alternation ratio (the runs of an alternation ran back to back). `--cublas` adds
-the engine again with every product of several rows through MLX's matmul (`by_rows` off:
-cuBLASLt), to measure laneserve's row products side by side. Neither stops at an eos
+the engine again with every product of several rows through MLX's own kernels (`by_rows`
+off: cuBLASLt for the linear maps, gather_mm for a MoE's experts), to measure laneserve's
+row and expert kernels side by side. Neither stops at an eos
 token, so both decode all G tokens; 'agree' counts the lanes of each width's first batch whose tokens are identical
 in both (bf16 near-ties can split them, which says nothing about speed). Writes NAME.json
 (settings, every run) and NAME.md.
@@ -128,7 +129,7 @@ def run(args) -> dict:
     record = provenance()
     loaded = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths))
     systems = {"laneserve": LaneserveDecode(loaded, max(args.widths)), "mlx_lm": MlxLmDecode(load_mlx_lm(args.model, args.dtype), args.chunk)}
-    if args.cublas:  # the engine again, every product of several rows through MLX's matmul
+    if args.cublas:  # the engine again, every product of several rows through MLX's own kernels
         plain = open_target(args.model, dtype=args.dtype, max_lanes=max(args.widths), by_rows=False)
         systems["laneserve_cublas"] = LaneserveDecode(plain, max(args.widths))
     vocab = loaded.target.vocab_size
@@ -199,8 +200,9 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['lanes']} | {fmt(r['laneserve_tok_s'])} | {fmt(r['mlx_lm_tok_s'])} | {fmt(r['ratio'], 2, 'x')} | {r['agree']} |")
     if result.get("cublas"):
-        lines += ["", "The engine again with every product of several rows through MLX's matmul (cuBLASLt), in the same "
-                  "alternations (`--cublas`); the row products' gain is laneserve / this, per alternation:", "",
+        lines += ["", "The engine again with every product of several rows through MLX's own kernels (cuBLASLt, and "
+                  "gather_mm for experts), in the same alternations (`--cublas`); laneserve's kernels' gain is "
+                  "laneserve / this, per alternation:", "",
                   "| lanes | laneserve (cuBLASLt) tok/s | its / mlx-lm | laneserve / laneserve (cuBLASLt) |",
                   "| ---: | ---: | ---: | ---: |"]
         for r in result["rows"]:
@@ -222,7 +224,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast both models to this dtype (default: as stored)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument("--cublas", action="store_true",
-                        help="also run the engine with every product of several rows through MLX's matmul (by_rows off)")
+                        help="also run the engine with every product of several rows through MLX's own kernels (by_rows off)")
     args = parser.parse_args()
     result = run(args)
     name = args.name or Path(args.model).name

@@ -13,8 +13,6 @@
 #   experts   bench_experts, LFM2-8B-A1B shape: a step's expert products
 #             for 1-16 rows, laneserve's expert kernel against
 #             gather_mm                                               -> experts-8b.{json,md}
-#   anatomy8b step_anatomy, LFM2-8B-A1B shape at 16 lanes, kernel times
-#             under Nsight Compute against mlx-lm's                   -> step-anatomy-8b.{json,md}
 #   drafting  bench_drafting (2.6B shape, published drafter shape),
 #             bench_default on the embedded default, greedy           -> drafting.*, default.*
 #   engine    bench_engine, scripted acceptance at the published
@@ -40,7 +38,7 @@
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
 # machine. A failing step does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|anatomy8b|drafting|engine|long|upkeep|prefix|prompts|fuse"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -75,10 +73,6 @@ target)
 experts)
   checkpoint_8b
   step python -m bench.bench_experts --model "$ck/8b" --out "$out" --name experts-8b --rows 1,2,4,8,16 --seconds 1.5
-  ;;
-anatomy8b)
-  checkpoint_8b
-  step python -m bench.step_anatomy --model "$ck/8b" --out "$out" --name step-anatomy-8b --lanes 16 --kernels
   ;;
 rows)
   checkpoints_2_6b

@@ -83,7 +83,8 @@ class Lfm2Target:
                  by_rows: bool | None = None):
         """`compiled`: run uniform rounds of few rows as compiled functions (see above).
         `by_rows`: multiply a few rows by the weights without cuBLASLt
-        (model.row_products); None: where the backend plans per shape (CUDA)."""
+        (model.row_products), and by a MoE's experts without gather_mm
+        (model.Experts); None: where the backend plans per shape (CUDA)."""
         self.model = model
         self.compiled = compiled
         self._conv_version = 0  # counts changes to the conv pools (see commit)
