@@ -17,7 +17,8 @@
 #             bench_default on the embedded default, greedy           -> drafting.*, default.*
 #   engine    bench_engine, scripted acceptance at the published
 #             profile, 1/4/8/16 streams, runs of 1024 tokens per
-#             stream (about 2.5-8 s; 128 gave runs under a second)    -> engine.{json,md}, engine.log.gz
+#             stream (about 2.5-8 s; 128 gave runs under a second),
+#             and its rounds' time by phase (round_phases)            -> engine.{json,md}, engine.log.gz, engine-phases.*
 #   long      bench_engine, acceptance falling with context, 4K to
 #             126K tokens, guards on, runs of 1024 tokens (about 5 s
 #             at 126K), 10 alternations (each prompt read once per
@@ -87,6 +88,7 @@ engine)
   checkpoints_2_6b
   step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --alternations 5 \
     --gen-tokens 1024 --log "$out/engine.log"
+  step python -m bench.round_phases "$out/engine.log" --out "$out" --name engine-phases
   gzip -f "$out/engine.log"
   ;;
 long)

@@ -123,6 +123,15 @@ class RoundReport:
     proposed_per_position: list[int] = field(default_factory=list)  # verified drafts at position k
     accepted_per_position: list[int] = field(default_factory=list)
     decision: GuardDecision | None = None
+    # A drafted round's seconds by phase (DRAFTED_PHASES; "draft" is draft_seconds): where its time goes, in the log.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+# A drafted round's phases, in order: the draft built and launched (lookups, the drafter's
+# context append and proposal), the windows priced, the verify built and launched, the
+# one host sync (the device finishing the draft and the verify), the outcomes read, and
+# the commit (caches kept, tokens emitted, taps queued).
+DRAFTED_PHASES = ("draft", "price", "verify", "wait", "read", "commit")
 
 
 class RoundRunner:
@@ -249,9 +258,10 @@ class RoundRunner:
                 report.kind = "probe"
         self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
         self.counters.record(report)
-        log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d",
+        log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s",
                   report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
-                  report.drafting_lanes, context)
+                  report.drafting_lanes, context,
+                  "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"))
 
     # ---- plain rounds, pipelined -----------------------------------------------------
     #
@@ -380,16 +390,26 @@ class RoundRunner:
             mx.async_eval(self.drafter.state_arrays())
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
-        """Draft, price, verify, commit: the phases of a drafted round, in order."""
+        """Draft, price, verify, commit: the phases of a drafted round, in order, each timed."""
+        ends = []
         drafts, proposal = self._draft(lanes, drafting)
-        draft_seconds = self.clock() - started
+        ends.append(self.clock())
+        draft_seconds = ends[-1] - started
         depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
-        out, outcomes = self._verify(lanes, windows, drafting, drafts, proposal)
+        ends.append(self.clock())
+        out, choices = self._verify(lanes, windows, drafting, drafts, proposal)
+        ends.append(self.clock())
+        mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))  # the round's one host sync
+        ends.append(self.clock())
+        outcomes = self._outcomes(choices, proposal, lanes, windows, drafting, drafts)
+        ends.append(self.clock())
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
+        ends.append(self.clock())
         emitted = sum(len(event.token_ids) for _, event in events)
-        report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, self.clock() - started, len(drafting),
-                             sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at)
+        report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, ends[-1] - started, len(drafting),
+                             sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at,
+                             phase_seconds=dict(zip(DRAFTED_PHASES, (b - a for a, b in zip([started, *ends], ends)))))
         return events, report
 
     def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> tuple[list[Draft], object]:
@@ -526,8 +546,8 @@ class RoundRunner:
         return windows
 
     def _verify(self, lanes: list[Lane], windows: list[Window], drafting: list[Lane], drafts: list[Draft], proposal):
-        """One target forward over every lane's rows, and each lane's outcome, read in one
-        host sync with the drafter's `proposal` where it is still unread.
+        """One target forward over every lane's rows and each row's choice (lazy), to be
+        evaluated in one host sync with the drafter's `proposal` where it is still unread.
 
         Every lane feeds the same number of rows, padded past its window: rows after a
         lane's window are never kept, never seen by its real rows (they sit at later
@@ -539,14 +559,18 @@ class RoundRunner:
         fed = self._fed_rows(lanes, windows, widths, drafting, drafts, proposal)
         out = self.target.forward([lane.target_slot for lane in lanes], fed, widths=widths,
                                   taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET)
-        choices = row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
-        mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
+        return out, row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
+
+    def _outcomes(self, choices, proposal, lanes: list[Lane], windows: list[Window], drafting: list[Lane],
+                  drafts: list[Draft]) -> list:
+        """Once the verify is evaluated: the drafts the proposal held (into their windows)
+        and each lane's outcome."""
         if proposal is not None:
             read = self._read(proposal, drafting, drafts)
             for lane, w in zip(lanes, windows):
                 if id(lane) in read:
                     w.drafts = read[id(lane)][: w.depth]
-        return out, choices.accept()
+        return choices.accept()
 
     def _fed_rows(self, lanes: list[Lane], windows: list[Window], widths: list[int], drafting: list[Lane],
                   drafts: list[Draft], proposal) -> mx.array:
