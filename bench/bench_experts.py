@@ -18,12 +18,10 @@ NAME.md.
 
 from __future__ import annotations
 
-import argparse
-
 import mlx.core as mx
 
-from bench.bench_rows import spread, time_passes
-from bench.provenance import markdown_line, provenance, write_result
+from bench.bench_rows import alternated, cell, main_with, spread
+from bench.provenance import markdown_line, provenance
 from families.lfm2 import expert_kernel, open_target
 from families.lfm2.model import Experts, SparseMoE
 
@@ -32,10 +30,6 @@ def products(layers: list[Experts], xs: list[mx.array], chosen: list[mx.array], 
     if kernel:
         return [e.kernel_products(x, c) for e, x, c in zip(layers, xs, chosen)]
     return [e(x, c) for e, x, c in zip(layers, xs, chosen)]
-
-
-def pass_ms(layers, xs, chosen, kernel: bool, seconds: float) -> float:
-    return time_passes(lambda: products(layers, xs, chosen, kernel), seconds)
 
 
 def routed(rows: int, experts: int, k: int) -> mx.array:
@@ -61,11 +55,8 @@ def run(args) -> dict:
         mx.eval(kernel_out, gather_out)
         a, b = kernel_out[0].astype(mx.float32).reshape(rows, k, -1), gather_out[0].astype(mx.float32)
         difference = (mx.abs(a - b).max() / mx.abs(b).max()).item()
-        turns = []
-        for turn in range(args.turns):
-            order = (True, False) if turn % 2 == 0 else (False, True)
-            ms = {kernel: pass_ms(layers, xs, chosen, kernel, args.seconds) for kernel in order}
-            turns.append({"kernel_ms": ms[True], "gather_ms": ms[False], "ratio": ms[False] / ms[True]})
+        turns = [{"kernel_ms": ms[True], "gather_ms": ms[False], "ratio": ms[False] / ms[True]}
+                 for ms in alternated(lambda kernel: products(layers, xs, chosen, kernel), args.turns, args.seconds)]
         cells.append({"rows": rows, "difference": difference, "turns": turns,
                       "kernel_ms": spread([t["kernel_ms"] for t in turns]),
                       "gather_ms": spread([t["gather_ms"] for t in turns]),
@@ -77,9 +68,6 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    def cell(s, unit=""):
-        return f"{s['median']:.3f}{unit} [{s['min']:.3f}-{s['max']:.3f}]"
-
     lines = [markdown_line(result), "",
              (f"{result['layers']} MoE layers a pass, {result['experts']} experts, {result['per_row']} per row "
               f"({result['weight_bytes'] / 1e9:.2f} GB of expert weights in all)."), "",
@@ -92,17 +80,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--name", default="experts")
-    parser.add_argument("--rows", default="1,2,4,8,16")
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--turns", type=int, default=5)
-    args = parser.parse_args()
-    result = run(args)
-    print(markdown(result))
-    write_result(args.out, args.name, result, markdown(result))
+    main_with(__doc__, run, markdown, "experts", "1,2,4,8,16")
 
 
 if __name__ == "__main__":

@@ -52,8 +52,34 @@ def time_passes(outputs, seconds: float) -> float:
     return statistics.median(times)
 
 
-def pass_ms(weights, xs, kernel: bool, seconds: float) -> float:
-    return time_passes(lambda: products(weights, xs, kernel), seconds)
+def alternated(passes, turns: int, seconds: float) -> list[dict[bool, float]]:
+    """Median ms of `passes(kernel)` with the kernel (True) and without, for `seconds`
+    each, in `turns` turns, each side going first in turn."""
+    results = []
+    for turn in range(turns):
+        order = (True, False) if turn % 2 == 0 else (False, True)
+        results.append({kernel: time_passes(lambda: passes(kernel), seconds) for kernel in order})
+    return results
+
+
+def cell(s: dict, unit: str = "") -> str:
+    """A spread as `median [min-max]`."""
+    return f"{s['median']:.3f}{unit} [{s['min']:.3f}-{s['max']:.3f}]"
+
+
+def main_with(doc: str, run, markdown, name: str, rows: str) -> None:
+    """The command line a kernel benchmark shares: parse, run, print and write NAME.{json,md}."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--rows", default=rows)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--turns", type=int, default=5)
+    args = parser.parse_args()
+    result = run(args)
+    print(markdown(result))
+    write_result(args.out, args.name, result, markdown(result))
 
 
 def agreement(weight: mx.array, rows: int) -> dict:
@@ -81,16 +107,13 @@ def run(args) -> dict:
     checks = [agreement(w, rows) for w in shapes.values() for rows in (2, 9, 32)]
     rows_list = [int(r) for r in args.rows.split(",")]
     xs1 = [mx.random.normal((1, w.shape[1])).astype(w.dtype) for w in weights]
-    one_row = pass_ms(weights, xs1, False, args.seconds)
+    one_row = time_passes(lambda: products(weights, xs1, False), args.seconds)
     cells = []
     for rows in rows_list:
         xs = [mx.random.normal((rows, w.shape[1])).astype(w.dtype) for w in weights]
         mx.eval(xs, products(weights, xs, True), products(weights, xs, False))  # compile, plan
-        turns = []
-        for turn in range(args.turns):
-            order = (True, False) if turn % 2 == 0 else (False, True)
-            ms = {kernel: pass_ms(weights, xs, kernel, args.seconds) for kernel in order}
-            turns.append({"kernel_ms": ms[True], "matmul_ms": ms[False], "ratio": ms[False] / ms[True]})
+        turns = [{"kernel_ms": ms[True], "matmul_ms": ms[False], "ratio": ms[False] / ms[True]}
+                 for ms in alternated(lambda kernel: products(weights, xs, kernel), args.turns, args.seconds)]
         cells.append({"rows": rows, "turns": turns,
                       "kernel_ms": spread([t["kernel_ms"] for t in turns]),
                       "matmul_ms": spread([t["matmul_ms"] for t in turns]),
@@ -103,9 +126,6 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    def cell(s, unit=""):
-        return f"{s['median']:.3f}{unit} [{s['min']:.3f}-{s['max']:.3f}]"
-
     lines = [markdown_line(result), "",
              (f"{result['maps']} products a pass ({result['weight_bytes'] / 1e9:.2f} GB of weights); "
               f"one row by MLX's GEMV: {result['one_row_matmul_ms']:.3f} ms a pass."), "",
@@ -120,17 +140,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--name", default="rows")
-    parser.add_argument("--rows", default="2,4,8,9,16,17,32")
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--turns", type=int, default=5)
-    args = parser.parse_args()
-    result = run(args)
-    print(markdown(result))
-    write_result(args.out, args.name, result, markdown(result))
+    main_with(__doc__, run, markdown, "rows", "2,4,8,9,16,17,32")
 
 
 if __name__ == "__main__":
