@@ -258,10 +258,11 @@ class RoundRunner:
                 report.kind = "probe"
         self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
         self.counters.record(report)
-        log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s",
-                  report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
-                  report.drafting_lanes, context,
-                  "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s",
+                      report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
+                      report.drafting_lanes, context,
+                      "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"))
 
     # ---- plain rounds, pipelined -----------------------------------------------------
     #

@@ -391,6 +391,7 @@ class Experts(nn.Module):
         """The experts' SwiGLU by `expert_kernel`: rows and choices as they come, no sort
         and no gathers -> `[R * k, H]`."""
         times = expert_kernel.rows_times_experts
+        chosen = chosen.astype(mx.int32)  # once for the products (the router's top k are uint32)
         if "w13" in self:
             h = swiglu(*mx.split(times(x, self.w13.weight, chosen), 2, axis=-1))
         else:
