@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from bench.bench_rows import alternated, cell, main_with, spread
-from bench.provenance import markdown_line, provenance
+from bench.bench_rows import alternated, cell, main_with
+from bench.provenance import markdown_line, provenance, spread
 from families.lfm2 import expert_kernel, open_target
 from families.lfm2.model import Experts, SparseMoE
 

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, provenance, spread, write_result
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
@@ -75,10 +75,6 @@ def decode_cell(engine: Engine, rng: np.random.Generator, args) -> float:
         requests = [Request(random_ids(engine, rng, args.prompt_tokens), args.gen_tokens, draft=False) for _ in range(args.lanes)]
         tokens += sum(len(done.token_ids) for done in engine.generate(requests))
     return tokens / (time.perf_counter() - started)
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run(args) -> dict:

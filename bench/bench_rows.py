@@ -25,7 +25,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, provenance, spread, write_result
 from families.lfm2 import open_target, row_kernel
 
 
@@ -91,10 +91,6 @@ def agreement(weight: mx.array, rows: int) -> dict:
     return {"shape": list(weight.shape), "rows": rows,
             "kernel": (mx.abs(kernel - exact).max() / scale).item(),
             "matmul": (mx.abs(matmul - exact).max() / scale).item()}
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def run(args) -> dict:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -39,7 +38,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
 from bench.bench_engine import read_prompts
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, provenance, spread, write_result
 from families.lfm2 import open_target
 from families.lfm2.loader import DTYPES
 from lanes.engine import Engine, EngineConfig
@@ -175,10 +174,6 @@ def run(args) -> dict:
         "load_average": [load_before, os.getloadavg()[0]],  # 1-minute, before and after: contention
         "rows": rows,
     }
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def markdown(result: dict) -> str:

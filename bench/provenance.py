@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -126,6 +127,11 @@ def markdown_line(record: dict) -> str:
     field = lambda key: record.get(key, f"{key} not recorded")
     return (f"- command: `{field('command')}` at commit {field('commit')}; {field('machine')}; "
             f"mlx {field('mlx')}; {field('date')}")
+
+
+def spread(values: list[float]) -> dict:
+    """A figure over alternations as every result reports it: median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def write_result(out: str | Path, name: str, result: dict, markdown: str) -> None:
