@@ -19,7 +19,9 @@ the engine again with every product of several rows through MLX's own kernels (`
 off: cuBLASLt for the linear maps, gather_mm for a MoE's experts), to measure laneserve's
 row and expert kernels side by side. Neither stops at an eos
 token, so both decode all G tokens; 'agree' counts the lanes of each width's first batch whose tokens are identical
-in both (bf16 near-ties can split them, which says nothing about speed). Writes NAME.json
+in both: on a checkpoint drawn as is, bf16 near-ties split them (which says nothing about
+speed); on a decisive one (`random_checkpoint --decisive`), as on a trained model, every
+lane should agree. Writes NAME.json
 (settings, every run) and NAME.md.
 """
 

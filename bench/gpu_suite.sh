@@ -37,7 +37,7 @@
 # pass `git rev-parse --short HEAD`. Each step prints its command (`== ...`) exactly as
 # its files record it, and OUT/suite-MODE.log keeps the output. Random bf16 checkpoints
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
-# machine. A failing step does not stop the next one.
+# machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step does not stop the next one.
 set -u
 usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
@@ -57,23 +57,32 @@ checkpoints_2_6b() {
     --block-size 9 --taps 2,9,17,21,27 --rope-theta 1e7 --dtype bfloat16
 }
 
+# bench_target's checkpoints are decisive (bench/random_checkpoint.py): greedy choices win
+# by wide margins, as a trained model's do, so its 'agree' column (laneserve's tokens equal
+# to mlx-lm's) checks both systems instead of recording bf16 near-ties.
+checkpoint_2_6b_decisive() {
+  [ -f "$ck/2.6b-decisive/config.json" ] || step python -m bench.random_checkpoint --preset lfm2.5-2.6b \
+    --out "$ck/2.6b-decisive" --decisive 0.03125
+}
+
 checkpoint_8b() {
-  [ -f "$ck/8b/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b --out "$ck/8b"
+  [ -f "$ck/8b-decisive/config.json" ] || step python -m bench.random_checkpoint --preset lfm2-8b-a1b \
+    --out "$ck/8b-decisive" --decisive 0.03125
 }
 
 case "$mode" in
 target)
-  checkpoints_2_6b
-  step python -m bench.bench_target --model "$ck/2.6b" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16 --cublas
+  checkpoint_2_6b_decisive
+  step python -m bench.bench_target --model "$ck/2.6b-decisive" --out "$out" --name gpu-lfm2.5-2.6b --widths 1,8,16 --cublas
   ;;
 8b)
   checkpoint_8b
-  step python -m bench.bench_target --model "$ck/8b" --out "$out" --name gpu-lfm2-8b-a1b --widths 16 --cublas
-  step python -m bench.bench_load_memory --model "$ck/8b" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
+  step python -m bench.bench_target --model "$ck/8b-decisive" --out "$out" --name gpu-lfm2-8b-a1b --widths 16 --cublas
+  step python -m bench.bench_load_memory --model "$ck/8b-decisive" --out "$out" --name gpu-load-memory-lfm2-8b-a1b
   ;;
 experts)
   checkpoint_8b
-  step python -m bench.bench_experts --model "$ck/8b" --out "$out" --name experts-8b --rows 1,2,4,8,16 --seconds 1.5
+  step python -m bench.bench_experts --model "$ck/8b-decisive" --out "$out" --name experts-8b --rows 1,2,4,8,16 --seconds 1.5
   ;;
 rows)
   checkpoints_2_6b
