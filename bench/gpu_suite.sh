@@ -37,7 +37,8 @@
 # pass `git rev-parse --short HEAD`. Each step prints its command (`== ...`) exactly as
 # its files record it, and OUT/suite-MODE.log keeps the output. Random bf16 checkpoints
 # of the released shapes are written under $CHECKPOINTS (default /root/ck) once per
-# machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step does not stop the next one.
+# machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
+# does not stop the next one.
 set -u
 usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse"
 out=${1:?$usage}
