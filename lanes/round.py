@@ -128,9 +128,9 @@ class RoundReport:
 
 
 # A drafted round's phases, in order: the draft built and launched (lookups, the drafter's
-# context append and proposal), the windows priced, the verify built and launched, the
-# one host sync (the device finishing the draft and the verify), the outcomes read, and
-# the commit (caches kept, tokens emitted, taps queued).
+# context append and proposal), the windows priced, the verify built (lazy), the one host
+# sync (the verify launched, the device finishing the draft and the verify), the outcomes
+# read, and the commit (caches kept, tokens emitted, taps queued).
 DRAFTED_PHASES = ("draft", "price", "verify", "wait", "read", "commit")
 
 

@@ -343,6 +343,8 @@ def merged_expert_linear(parts: list[nn.Module]) -> nn.Module | None:
 class Experts(nn.Module):
     """The routed experts' SwiGLU, stacked: w1, w3 `[E, I, H]`, w2 `[E, H, I]`."""
 
+    by_kernel = False  # a few rows multiplied by `expert_kernel` (see serve_by_kernel)
+
     def __init__(self, experts: int, hidden: int, width: int):
         super().__init__()
         self.w1 = ExpertLinear(experts, hidden, width)
@@ -366,7 +368,7 @@ class Experts(nn.Module):
     def __call__(self, x: mx.array, chosen: mx.array) -> mx.array:
         """x [R, H], chosen [R, k] -> [R, k, H]."""
         rows, k = chosen.shape
-        if getattr(self, "by_kernel", False) and rows > 1 and expert_kernel.serves(self.maps()[0].weight, rows, k):
+        if self.by_kernel and rows > 1 and expert_kernel.serves(self.maps()[0].weight, rows, k):
             return self.kernel_products(x, chosen).reshape(rows, k, -1)
         # Many rows: sort the (row, expert) pairs by expert so each expert's weights are
         # read once; x becomes [R*k, 1, H] against indices [R*k]. The axis is inserted
