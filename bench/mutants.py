@@ -122,8 +122,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a lane goes on appending the round's tokens after the one that completes a stop string "
         "(the text is still cut; the ids leak)",
         (Edit("lanes/lane.py",
-              "            if hit:\n                self.finish_reason = FinishReason.STOP\n                break\n",
-              "            if hit:\n                self.finish_reason = FinishReason.STOP\n"),),
+              "                if hit:\n                    self.finish_reason = FinishReason.STOP\n"
+              "                    kept = kept[:count]\n                    break\n",
+              "                if hit:\n                    self.finish_reason = FinishReason.STOP\n"),),
         ("tests/test_client.py", "tests/test_drafting_exact.py", "tests/test_engine.py", "tests/test_daemon.py"),
     ),
     Mutant(

@@ -190,26 +190,35 @@ class Lane:
     def emit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> LaneEvent:
         """Append this round's tokens, stopping at the first eos id, stop string or limit.
 
-        Tokens go through the detokenizer and the stop matcher one at a time, so a round
-        that brings several tokens keeps exactly the ids a plain run would: none after the
-        token that completes a stop string."""
+        With stop strings, tokens go through the detokenizer and the stop matcher one at a
+        time, so a round that brings several tokens keeps exactly the ids a plain run
+        would: none after the token that completes a stop string. Without, the round's
+        tokens are decoded together (the text is the same; a decode per token is the
+        host's largest cost per emitted token)."""
         kept: list[int] = []
-        text = ""
-        hit = False
+        room = self.remaining
         for token in tokens:
-            if self.remaining <= 0:
+            if len(kept) >= room:
                 self.finish_reason = FinishReason.LENGTH
                 break
             if token in self.eos_ids:
                 self.finish_reason = FinishReason.STOP
                 break
             kept.append(token)
-            self.generated.append(token)
-            safe, hit = self._stops.feed(self._detokenizer.add([token]))
-            text += safe
-            if hit:
-                self.finish_reason = FinishReason.STOP
-                break
+        text = ""
+        hit = False
+        if self._stops.watching:
+            for count, token in enumerate(kept, 1):
+                self.generated.append(token)
+                safe, hit = self._stops.feed(self._detokenizer.add([token]))
+                text += safe
+                if hit:
+                    self.finish_reason = FinishReason.STOP
+                    kept = kept[:count]
+                    break
+        elif kept:
+            self.generated += kept
+            text = self._detokenizer.add(kept)
         if self.finish_reason is None and self.remaining <= 0:
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is not None and not hit:

@@ -21,6 +21,11 @@ class StopMatcher:
         self._stopped = False
 
     @property
+    def watching(self) -> bool:
+        """Whether there is any stop string to match."""
+        return bool(self._stops)
+
+    @property
     def stopped(self) -> bool:
         """Whether a stop string has been hit."""
         return self._stopped
