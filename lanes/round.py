@@ -380,7 +380,7 @@ class RoundRunner:
             return
         self.drafter.append(
             [lane.drafter_slot for lane in due],
-            [mx.concatenate(lane.pending_taps) for lane in due],
+            [lane.pending_taps for lane in due],
             [lane.pending_tokens for lane in due],
             bucket_rows=self.steady_shapes,
         )

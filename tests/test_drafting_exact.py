@@ -138,7 +138,8 @@ class PoisonedDrafter(ScriptedDrafter):
         self.poisoned_slot = poisoned_slot
 
     def append(self, lanes, taps, tokens, bucket_rows=False):
-        taps = [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
+        poison = lambda rows: [piece * float("nan") for piece in rows] if isinstance(rows, list) else rows * float("nan")
+        taps = [poison(t) if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
         super().append(lanes, taps, tokens, bucket_rows)
 
 

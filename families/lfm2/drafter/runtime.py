@@ -192,19 +192,23 @@ class DSparkDrafter:
         """Every pool array, to evaluate appended context together with a round's outputs."""
         return [a for pool in self.kv for a in (pool.keys, pool.values)]
 
-    def append(self, lanes: list[LaneSlot], taps: list[mx.array], tokens: list[list[int]], bucket_rows: bool = False) -> None:
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array | list[mx.array]], tokens: list[list[int]],
+               bucket_rows: bool = False) -> None:
         """Add newly committed rows to each lane's context: `taps[i]` is
-        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), the
-        target's rows for the committed `tokens[i]`. `bucket_rows` pads the rows to a
-        `row_bucket` (see there). Lazy."""
-        slots, positions, parts = [], [], []
+        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), or those
+        rows in pieces, the target's rows for the committed `tokens[i]`. `bucket_rows`
+        pads the rows to a `row_bucket` (see there). Lazy. Pieces are joined with every
+        other lane's in one concatenation."""
+        slots, positions, parts, counts = [], [], [], []
         for lane, rows, ids in zip(lanes, taps, tokens, strict=True):
-            count = rows.shape[0]
+            pieces = rows if isinstance(rows, list) else [rows]
+            count = sum(piece.shape[0] for piece in pieces)
             if count != len(ids):  # the lane core let context and tokens drift apart
                 raise ValueError(f"drafter slot {lane.slot}: {count} tap rows for {len(ids)} committed tokens")
             slots += [lane.slot] * count
             positions += range(lane.length, lane.length + count)
-            parts.append(rows)
+            parts += pieces
+            counts.append(count)
         if not positions:
             return
         # Every row is its own one-row "lane" at its slot and position: one scatter per
@@ -213,9 +217,7 @@ class DSparkDrafter:
         pad = row_bucket(len(positions)) - len(positions) if bucket_rows else 0
         slots += slots[-1:] * pad
         positions += positions[-1:] * pad
-        rows = mx.concatenate(parts, axis=0)
-        if pad:
-            rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
+        rows = mx.concatenate(parts + [parts[-1][-1:]] * pad, axis=0)
         layout = RaggedLayout([1] * len(positions), positions)
         slot_ids = layout.slot_ids(slots)
         context = self._contexts(len(positions)) if self.compiled else self._context_keys_values
@@ -223,8 +225,8 @@ class DSparkDrafter:
         for j, pool in enumerate(self.kv):
             pool.reserve(layout.span)
             pool.write(slot_ids, layout, keys_values[2 * j], keys_values[2 * j + 1])
-        for lane, rows in zip(lanes, taps):
-            lane.length += rows.shape[0]
+        for lane, count in zip(lanes, counts):
+            lane.length += count
 
     def _context_keys_values(self, rows: mx.array, positions: mx.array) -> list[mx.array]:
         """Context rows `[R, n_taps * H_target]` at their positions -> each layer's roped
