@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import expert_kernel, row_kernel
+from . import conv_kernel, expert_kernel, row_kernel
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -183,6 +183,8 @@ def merge_parts(module: nn.Module, names: tuple[str, ...], merged_name: str, mer
 class ShortConv(nn.Module):
     """`B, C, X = split(in_proj(x))`; `y = out_proj(C * causal_conv(B * X))`."""
 
+    by_kernel = False  # a round's gated conv as one `conv_kernel` launch (see Lfm2Model.serve_by_rows)
+
     def __init__(self, cfg: Lfm2Config):
         super().__init__()
         self.kernel = cfg.conv_kernel
@@ -203,13 +205,28 @@ class ShortConv(nn.Module):
         v = self.causal_conv(mx.pad(u, [(0, 0), (self.kernel - 1, 0), (0, 0)]))
         return self.out_proj(c * v)
 
-    def ragged(self, x: mx.array, layout: RaggedLayout, state: mx.array) -> tuple[mx.array, mx.array]:
+    def ragged(self, x: mx.array, layout: RaggedLayout, slots: list[int] | mx.array, pool: ConvPool,
+               keep: bool = False) -> tuple[mx.array, mx.array]:
         """Packed rows -> packed outputs, and the conv input `[N, L-1+W, H]` (the state
-        before the round followed by this round's `u` rows) from which commit rebuilds
-        the state after any number of accepted rows."""
-        u, c = self.gates(x)
-        window = mx.concatenate([state, layout.pad(u)], axis=1)
+        before the round, read from `pool` at the lanes' slots, followed by this round's
+        `u` rows) from which commit rebuilds the state after any number of accepted rows.
+        `keep` (a one-row round): `pool` is left holding each lane's state with its row
+        kept. Served by `conv_kernel` where `by_kernel` says so and every lane feeds the
+        same few rows."""
+        z = self.in_proj(x)
+        if self.by_kernel and layout.uniform and layout.width <= conv_kernel.MAX_ROWS:
+            weight = self.conv.weight
+            gated, window, kept = conv_kernel.gated_conv(
+                z.reshape(layout.rows, -1), pool.state, layout.slot_ids(slots), weight.reshape(weight.shape[0], -1),
+                self.conv.get("bias"), layout.width, keep)
+            if keep:
+                pool.state = kept
+            return self.out_proj(gated), window
+        b, c, x = mx.split(z, 3, axis=-1)
+        window = mx.concatenate([pool.read(slots, layout), layout.pad(b * x)], axis=1)
         v = layout.unpad(self.causal_conv(window))
+        if keep:
+            pool.write(slots, layout, window[:, 1 - self.kernel :])
         return self.out_proj(c * v), window
 
 
@@ -474,10 +491,12 @@ class Lfm2Model(nn.Module):
 
     def serve_by_rows(self) -> None:
         """Serve a few rows times the weights by `row_products`, the tied head too where
-        its table is not quantized, and a few rows times their experts by `expert_kernel`
-        (a GPU backend's choice, see there)."""
+        its table is not quantized, a few rows times their experts by `expert_kernel` and
+        each conv layer's gated conv by `conv_kernel` (a GPU backend's choice, see there)."""
         serve_linears_by_rows(self)
         for layer in self.layers:
+            if not layer.is_attention:
+                layer.conv.by_kernel = conv_kernel.available()
             if isinstance(layer.feed_forward, SparseMoE):
                 layer.feed_forward.experts.serve_by_kernel()
         table = self.embed_tokens
@@ -539,20 +558,23 @@ class Lfm2Model(nn.Module):
         slots: list[int],
         conv: dict[int, ConvPool],
         taps: tuple[int, ...],
+        keep: bool = False,
     ) -> tuple[mx.array, tuple | None, list[mx.array], dict[int, mx.array]]:
         """Segment j of a ragged forward: everything between attention core j-1 and
         attention core j. It finishes attention layer j-1 from its core's output
         `attended` (out_proj, residual, FFN), runs the conv layers up to attention layer
         j and that layer's projections: -> residual rows, the (q, k, v) for core j (None
         after the last), the residuals of tap layers in it, the conv windows. The cores
-        (KV pool writes and attention over each lane's keys) run between segments."""
+        (KV pool writes and attention over each lane's keys) run between segments.
+        `keep` (one-row rounds): each conv pool is left holding its lanes' states with
+        their row kept."""
         tapped, windows = [], {}
         for i in self.segment_layers(j):
             layer = self.layers[i]
             if layer.is_attention:  # finished from its core's output
                 h = h + layer.self_attn.finish(attended, layout)
             else:
-                r, windows[i] = layer.conv.ragged(layer.operator_norm(h), layout, conv[i].read(slots, layout))
+                r, windows[i] = layer.conv.ragged(layer.operator_norm(h), layout, slots, conv[i], keep)
                 h = h + r
             h = h + layer.feed_forward(layer.ffn_norm(h))
             if i in taps:

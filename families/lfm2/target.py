@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import conv_kernel
 from .cache import (
     ConvPool,
     KVPool,
@@ -249,14 +250,10 @@ class Lfm2Target:
         states = args[len(args) - len(convs) :]
         conv = {i: self.conv[i].holding(state) for i, state in zip(convs, states)}
         h = self.model.embed_tokens(x) if j == 0 else x
-        h, qkv, tapped, windows = self.model.segment(j, h, attended, layout, slots, conv, taps)
+        one_row = layout.width == 1
+        h, qkv, tapped, windows = self.model.segment(j, h, attended, layout, slots, conv, taps, keep=one_row)
         outputs = [h, *(qkv or ()), *tapped, *(windows[i] for i in convs)]
-        if layout.width == 1:
-            span = self.config.conv_kernel - 1
-            for i in convs:
-                conv[i].write(slots, layout, windows[i][:, -span:])
-                outputs.append(conv[i].state)
-        return outputs
+        return outputs + [conv[i].state for i in convs] if one_row else outputs
 
     def _unflatten(self, j: int, outputs: list[mx.array], taps: tuple[int, ...], one_row: bool):
         """`_segment_arrays`' flat outputs -> residual rows, (q, k, v) or None, tap
@@ -292,7 +289,14 @@ class Lfm2Target:
                 self.conv[i].state = state
             return
         span = self.config.conv_kernel - 1
-        if record.conv_windows:
+        layers = list(record.conv_windows)
+        if layers and all(self.model.layers[i].conv.by_kernel for i in layers):
+            states = conv_kernel.kept_states([record.conv_windows[i] for i in layers], [self.conv[i].state for i in layers],
+                                             record.layout.slot_ids([lane.slot for lane in record.lanes]),
+                                             mx.array(kept_sorted, dtype=mx.int32))
+            for i, state in zip(layers, states):
+                self.conv[i].state = state
+        elif layers:
             if all(k == record.layout.width for k in kept_sorted):
                 pick = None
             else:

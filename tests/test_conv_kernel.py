@@ -1,0 +1,98 @@
+"""An LFM2 conv layer's gated conv as laneserve's CUDA kernel (families/lfm2/conv_kernel.py): its
+windows and kept pools are exactly the operations', its gated rows equal them within the
+dtype's rounding, for any slots, widths and with or without a bias; a target serving its
+conv layers by the kernel runs rounds (prefill, one-row steps, a verify partly kept) as the
+operations do. The kernel tests run only where MLX has its CUDA backend; the CPU never
+takes the kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from families.lfm2 import Lfm2Target, conv_kernel, load_model
+from tests.cuda import needs_cuda
+
+HIDDEN, TAPS, SLOTS = 96, 3, 6
+
+
+def rounded(a: np.ndarray, dtype) -> np.ndarray:
+    return np.array(mx.array(a.astype(np.float32)).astype(dtype).astype(mx.float32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tolerance", [(mx.bfloat16, 2e-2), (mx.float32, 1e-5)])
+@pytest.mark.parametrize("width,keep", [(1, True), (1, False), (2, False), (9, False), (32, False)])
+@pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2, 5], [3]])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_conv_equals_the_operations(on_gpu, dtype, tolerance, width, keep, slots, with_bias):
+    rng = np.random.default_rng(width * 7 + len(slots))
+    lanes = len(slots)
+    z = rounded(rng.standard_normal((lanes * width, 3 * HIDDEN)), dtype)
+    pool = rounded(rng.standard_normal((SLOTS, TAPS - 1, HIDDEN)), dtype)
+    weight = rounded(rng.standard_normal((HIDDEN, TAPS)) / 2, dtype)
+    bias = rounded(rng.standard_normal(HIDDEN), dtype) if with_bias else None
+    y, windows, kept = conv_kernel.gated_conv(
+        mx.array(z).astype(dtype), mx.array(pool).astype(dtype), mx.array(slots, dtype=mx.int32), mx.array(weight).astype(dtype),
+        None if bias is None else mx.array(bias).astype(dtype), width, keep)
+
+    b, c, x = z[:, :HIDDEN], z[:, HIDDEN : 2 * HIDDEN], z[:, 2 * HIDDEN :]
+    expected_windows = np.concatenate([pool[slots], rounded(b * x, dtype).reshape(lanes, width, HIDDEN)], axis=1)
+    conv = sum(weight[:, k] * expected_windows[:, k : k + width] for k in range(TAPS)) + (0 if bias is None else bias)
+    expected_y = rounded(c * rounded(conv.reshape(lanes * width, HIDDEN), dtype), dtype)
+    assert y.dtype == windows.dtype == dtype
+    np.testing.assert_array_equal(np.array(windows.astype(mx.float32)), expected_windows)
+    np.testing.assert_allclose(np.array(y.astype(mx.float32)), expected_y, rtol=tolerance, atol=tolerance * np.abs(expected_y).max())
+    if keep:
+        expected_pool = pool.copy()
+        expected_pool[slots] = expected_windows[:, width:]
+        np.testing.assert_array_equal(np.array(kept.astype(mx.float32)), expected_pool)
+    else:
+        assert kept is None
+
+
+@needs_cuda
+def test_rounds_it_cannot_take_are_refused(on_gpu):
+    z, pool, slots = mx.zeros((33, 3 * HIDDEN)), mx.zeros((SLOTS, TAPS - 1, HIDDEN)), mx.array([0], dtype=mx.int32)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        conv_kernel.gated_conv(z, pool, slots, mx.zeros((HIDDEN, TAPS)), None, 33, False)
+    with pytest.raises(ValueError, match="one-row round"):
+        conv_kernel.gated_conv(z[:2], pool, slots, mx.zeros((HIDDEN, TAPS)), None, 2, True)
+
+
+def run_rounds(target: Lfm2Target) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Prefill three lanes (ragged), two one-row steps, a 5-row verify kept in part, a step."""
+    rng = np.random.default_rng(3)
+    lanes = [target.open_lane() for _ in range(3)]
+    logits = []
+    out = target.forward(lanes, [[int(t) for t in rng.integers(15, 500, n)] for n in (7, 12, 3)], logits="last")
+    target.commit(out, [7, 12, 3])
+    logits.append(out.logits)
+    for kept in ([1, 1, 1], [1, 1, 1], [2, 5, 1], [1, 1, 1]):
+        width = max(kept)
+        out = target.forward(lanes, [[int(t) for t in rng.integers(15, 500, width)] for _ in lanes])
+        target.commit(out, kept)
+        logits.append(out.logits)
+        mx.eval(out.logits, *target.state_arrays())
+    pools = [target.conv[i].state for i in sorted(target.conv)]
+    return [np.array(a) for a in logits], [np.array(p) for p in pools]
+
+
+@needs_cuda
+def test_a_target_by_kernel_runs_rounds_as_the_operations_do(on_gpu, dense_dir):
+    by_kernel = Lfm2Target(*load_model(dense_dir), max_lanes=4)
+    by_operations = Lfm2Target(*load_model(dense_dir), max_lanes=4)
+    convs = [layer.conv for layer in by_operations.model.layers if not layer.is_attention]
+    assert convs and all(conv.by_kernel for conv in convs)
+    for conv in convs:
+        conv.by_kernel = False
+    kernel_logits, kernel_pools = run_rounds(by_kernel)
+    ops_logits, ops_pools = run_rounds(by_operations)
+    for got, expected in zip(kernel_logits + kernel_pools, ops_logits + ops_pools):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cpu_keeps_the_operations(dense_dir):
+    target = Lfm2Target(*load_model(dense_dir), max_lanes=2, by_rows=True)
+    assert not any(layer.conv.by_kernel for layer in target.model.layers if not layer.is_attention)
