@@ -1,5 +1,4 @@
-"""The greedy Markov chain as CUDA kernels (one for a small head, one per step for a large) equals
-the chain as MLX operations (float32);
+"""The greedy Markov chain as one CUDA kernel equals the chain as MLX operations (float32);
 the kernel tests run only where MLX has its CUDA backend."""
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from families.lfm2.drafter import load_drafter
-from families.lfm2.drafter.chain import FusedGreedyChain, StepwiseGreedyChain
+from families.lfm2.drafter.chain import FusedGreedyChain
 from families.lfm2.loader import load_model
 from families.lfm2.target import Lfm2Target
 from tests.cuda import needs_cuda
@@ -65,29 +64,3 @@ def test_a_greedy_proposal_is_the_same_with_the_kernel(on_gpu, dense_dir, drafte
     np.testing.assert_array_equal(np.array(fused.tokens), np.array(ops.tokens))
     np.testing.assert_allclose(np.array(fused.confidences), np.array(ops.confidences), rtol=0, atol=1e-5)
     assert np.array(fused.faults).tolist() == [0, 0, 0]
-
-
-@needs_cuda
-@pytest.mark.parametrize("lanes,width,vocab,rank,dtype", [(1, 9, 65536, 256, mx.bfloat16), (3, 4, 5000, 64, mx.bfloat16),
-                                                          (16, 8, 1300, 16, mx.float32), (19, 3, 700, 8, mx.float16)])
-def test_stepwise_kernels_pick_what_float32_picks(on_gpu, lanes, width, vocab, rank, dtype):
-    # The kernels add the rank-R product in float32 (the operations round it to the
-    # weights' dtype first): the reference is the chain in float32 over the same weights.
-    mx.random.seed(lanes)
-    w1, w2 = nn.Embedding(vocab, rank), nn.Linear(rank, vocab, bias=False)
-    w1.set_dtype(dtype)
-    w2.set_dtype(dtype)
-    base = mx.random.normal((lanes, width, vocab)).astype(dtype)
-    anchors = mx.random.randint(0, vocab, (lanes,)).astype(mx.int32)
-    assert StepwiseGreedyChain.serves(w1, w2)
-    stepwise = StepwiseGreedyChain(w1, w2)(base, anchors)
-    e1, e2 = nn.Embedding(vocab, rank), nn.Linear(rank, vocab, bias=False)
-    e1.weight, e2.weight = w1.weight.astype(mx.float32), w2.weight.astype(mx.float32)
-    np.testing.assert_array_equal(np.array(stepwise), np.array(chain_as_operations(base.astype(mx.float32), anchors, e1, e2)))
-
-
-def test_stepwise_kernels_serve_plain_heads_in_whole_loads():
-    assert StepwiseGreedyChain.serves(nn.Embedding(65536, 256), nn.Linear(256, 65536, bias=False))
-    assert not StepwiseGreedyChain.serves(nn.Embedding(1000, 6), nn.Linear(6, 1000, bias=False))  # 6 floats: no whole 16 bytes
-    quantized = nn.QuantizedLinear(64, 4096, bias=False, group_size=64, bits=8)
-    assert not StepwiseGreedyChain.serves(nn.Embedding(4096, 64), quantized)

@@ -20,7 +20,7 @@ from ..cache import (
     stacked_rows,
 )
 from ..model import Lfm2Model, serve_linears_by_rows
-from .chain import FusedGreedyChain, StepwiseGreedyChain, cuda_chain_available
+from .chain import FusedGreedyChain, cuda_chain_available
 from .model import DSparkModel
 
 # Proposals round their key span up to this many rows (see RaggedLayout).
@@ -118,10 +118,9 @@ class DSparkDrafter:
         """`compiled`: context appends and proposals run as compiled functions, one trace
         per shape (see target.py). `by_rows`: a few rows times the weights without cuBLASLt
         (see families.lfm2.model.row_products); None: where the
-        backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as
-        kernels where the Markov head is unquantized (`chain.FusedGreedyChain` for a small
-        head, `chain.StepwiseGreedyChain` for a large one; set `fused_chain` to None
-        before the first proposal to run it as operations)."""
+        backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as one
+        kernel (`chain.FusedGreedyChain`, where the Markov head is unquantized; set
+        `fused_chain` to None before the first proposal to run it as operations)."""
         self.model = model
         self.config = model.config
         self.embed = target_model.embed_tokens  # borrowed: embeds the block and is the head
@@ -137,12 +136,8 @@ class DSparkDrafter:
         if plans_per_shape() if by_rows is None else by_rows:
             serve_linears_by_rows(model)
         markov = model.markov_head
-        self.fused_chain = None
-        if cuda_chain_available():
-            for chain in (FusedGreedyChain, StepwiseGreedyChain):
-                if chain.serves(markov.markov_w1, markov.markov_w2):
-                    self.fused_chain = chain(markov.markov_w1, markov.markov_w2)
-                    break
+        serves = cuda_chain_available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
+        self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
         self._contexts = Traces(lambda rows: self._context_keys_values)
