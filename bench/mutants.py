@@ -143,9 +143,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "after a drafted round only the anchor's row is queued for the drafter's context, not the accepted "
         "drafts' rows (its context falls behind the target's; output stays exact, drafting quietly decays)",
         (Edit("lanes/round.py",
-              "                lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])\n"
+              "                lane.pending_taps.append((out.taps, start, start + 1 + outcome.accepted))\n"
               "                lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]\n",
-              "                lane.pending_taps.append(out.taps[start : start + 1])\n"
+              "                lane.pending_taps.append((out.taps, start, start + 1))\n"
               "                lane.pending_tokens += [lane.anchor]\n"),),
         ("tests/test_drafting_exact.py", "tests/test_engine.py", "tests/test_drafter.py"),
     ),

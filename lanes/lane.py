@@ -152,7 +152,8 @@ class Lane:
         self.stats = DraftStats()
         self.target_slot = None  # the target's cache handle
         self.drafter_slot = None  # the drafter's cache handle, when drafting is possible
-        # Committed rows not yet in the drafter's context: their taps and token ids.
+        # Committed rows not yet in the drafter's context: their taps, as (a round's taps,
+        # first row, end row), and token ids.
         self.pending_taps: list = []
         self.pending_tokens: list[int] = []
         self.ngrams = None  # an NgramIndex of the lane's tokens, once prompt lookup asks for one

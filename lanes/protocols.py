@@ -85,10 +85,10 @@ class Drafter(Protocol):
     def open_lane(self) -> LaneCache: ...
     def close_lane(self, lane: LaneCache) -> None: ...
 
-    def append(self, lanes: list[LaneCache], taps: list[mx.array | list[mx.array]], tokens: list[list[int]],
+    def append(self, lanes: list[LaneCache], taps: list[mx.array] | mx.array, tokens: list[list[int]],
                bucket_rows: bool = False) -> None:
-        """Add newly committed rows (their taps, an array or its pieces in order, and
-        token ids) to each lane's context."""
+        """Add newly committed rows (their taps, per lane or every lane's in one array,
+        and token ids) to each lane's context."""
 
     def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None,
                 *, chain_logits: bool = True, confidences: bool = True) -> Proposal:

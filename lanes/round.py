@@ -78,6 +78,18 @@ def drafter_pick(lanes: list[Lane], width: int, seen: SeenTokens):
     return pick
 
 
+def packed_taps(pieces: list[tuple[mx.array, int, int]]) -> mx.array:
+    """Rows `start..stop-1` of each piece's round taps, one piece after another (lazy):
+    one gather where every piece comes from the same round's taps, as after a drafted
+    round, where a concatenation would copy each piece by its own kernel."""
+    if len(pieces) == 1:
+        source, start, stop = pieces[0]
+        return source[start:stop]
+    if len({id(source) for source, _, _ in pieces}) == 1:
+        return pieces[0][0][mx.array([row for _, start, stop in pieces for row in range(start, stop)], dtype=mx.int32)]
+    return mx.concatenate([source[start:stop] for source, start, stop in pieces])
+
+
 @dataclass
 class PlainDispatch:
     """A plain round launched on the device whose tokens the host has not read yet."""
@@ -202,7 +214,7 @@ class RoundRunner:
         self.target.commit(out, [len(chunk) for chunk in chunks])
         for lane, chunk, start in zip(lanes, chunks, out.row_starts):
             if lane.drafter_slot is not None:
-                lane.pending_taps.append(out.taps[start : start + len(chunk)])
+                lane.pending_taps.append((out.taps, start, start + len(chunk)))
                 lane.pending_tokens += chunk
                 if self.prompt_lookup:  # indexed as it is read: a long prompt's index costs no round a stall
                     self._ngrams(lane, read=lane.prefilled + len(chunk))
@@ -355,7 +367,7 @@ class RoundRunner:
             if lane.finished:  # it ended in the round before; this row was a wasted step
                 continue
             if lane.drafter_slot is not None:
-                lane.pending_taps.append(dispatch.out.taps[i : i + 1])
+                lane.pending_taps.append((dispatch.out.taps, i, i + 1))
                 lane.pending_tokens.append(dispatch.anchors[i])
             lane.stats.rounds += 1
             events.append((lane, lane.emit([token], None if logprob is None else [logprob])))
@@ -378,12 +390,8 @@ class RoundRunner:
         due = [lane for lane in lanes if len(lane.pending_tokens) > limit]
         if not due:
             return
-        self.drafter.append(
-            [lane.drafter_slot for lane in due],
-            [lane.pending_taps for lane in due],
-            [lane.pending_tokens for lane in due],
-            bucket_rows=self.steady_shapes,
-        )
+        self.drafter.append([lane.drafter_slot for lane in due], packed_taps([piece for lane in due for piece in lane.pending_taps]),
+                            [lane.pending_tokens for lane in due], bucket_rows=self.steady_shapes)
         for lane in due:
             lane.pending_taps, lane.pending_tokens = [], []
         # Launched, not awaited: a host sync here would stall the plain-round pipeline.
@@ -623,7 +631,7 @@ class RoundRunner:
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for lane, window, outcome, start in zip(lanes, windows, outcomes, out.row_starts):
             if lane.drafter_slot is not None:
-                lane.pending_taps.append(out.taps[start : start + 1 + outcome.accepted])
+                lane.pending_taps.append((out.taps, start, start + 1 + outcome.accepted))
                 lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
             lane.stats.rounds += 1
             depth = len(window.drafts)

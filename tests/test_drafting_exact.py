@@ -138,8 +138,11 @@ class PoisonedDrafter(ScriptedDrafter):
         self.poisoned_slot = poisoned_slot
 
     def append(self, lanes, taps, tokens, bucket_rows=False):
-        poison = lambda rows: [piece * float("nan") for piece in rows] if isinstance(rows, list) else rows * float("nan")
-        taps = [poison(t) if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
+        if isinstance(taps, mx.array):  # every lane's rows in one array: poison the lane's own
+            owner = mx.array([lane.slot for lane, ids in zip(lanes, tokens) for _ in ids])
+            taps = mx.where((owner == self.poisoned_slot)[:, None], float("nan"), taps)
+        else:
+            taps = [t * float("nan") if lane.slot == self.poisoned_slot else t for lane, t in zip(lanes, taps)]
         super().append(lanes, taps, tokens, bucket_rows)
 
 

@@ -192,23 +192,27 @@ class DSparkDrafter:
         """Every pool array, to evaluate appended context together with a round's outputs."""
         return [a for pool in self.kv for a in (pool.keys, pool.values)]
 
-    def append(self, lanes: list[LaneSlot], taps: list[mx.array | list[mx.array]], tokens: list[list[int]],
+    def append(self, lanes: list[LaneSlot], taps: list[mx.array] | mx.array, tokens: list[list[int]],
                bucket_rows: bool = False) -> None:
         """Add newly committed rows to each lane's context: `taps[i]` is
-        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), or those
-        rows in pieces, the target's rows for the committed `tokens[i]`. `bucket_rows`
-        pads the rows to a `row_bucket` (see there). Lazy. Pieces are joined with every
-        other lane's in one concatenation."""
-        slots, positions, parts, counts = [], [], [], []
-        for lane, rows, ids in zip(lanes, taps, tokens, strict=True):
-            pieces = rows if isinstance(rows, list) else [rows]
-            count = sum(piece.shape[0] for piece in pieces)
-            if count != len(ids):  # the lane core let context and tokens drift apart
-                raise ValueError(f"drafter slot {lane.slot}: {count} tap rows for {len(ids)} committed tokens")
+        `[rows_i, n_taps * H_target]` for lane i's next rows (rows_i may be 0), the
+        target's rows for the committed `tokens[i]`; or `taps` is every lane's rows in one
+        array, lane after lane. `bucket_rows` pads the rows to a `row_bucket` (see there).
+        Lazy."""
+        counts = [len(ids) for ids in tokens]
+        # A mismatch means the lane core let context and tokens drift apart.
+        if isinstance(taps, mx.array):
+            if taps.shape[0] != sum(counts):
+                raise ValueError(f"drafter slots {[lane.slot for lane in lanes]}: {taps.shape[0]} tap rows for "
+                                 f"{sum(counts)} committed tokens")
+        else:
+            for lane, rows, count in zip(lanes, taps, counts, strict=True):
+                if rows.shape[0] != count:
+                    raise ValueError(f"drafter slot {lane.slot}: {rows.shape[0]} tap rows for {count} committed tokens")
+        slots, positions = [], []
+        for lane, count in zip(lanes, counts, strict=True):
             slots += [lane.slot] * count
             positions += range(lane.length, lane.length + count)
-            parts += pieces
-            counts.append(count)
         if not positions:
             return
         # Every row is its own one-row "lane" at its slot and position: one scatter per
@@ -217,7 +221,9 @@ class DSparkDrafter:
         pad = row_bucket(len(positions)) - len(positions) if bucket_rows else 0
         slots += slots[-1:] * pad
         positions += positions[-1:] * pad
-        rows = mx.concatenate(parts + [parts[-1][-1:]] * pad, axis=0)
+        rows = taps if isinstance(taps, mx.array) else taps[0] if len(taps) == 1 else mx.concatenate(taps, axis=0)
+        if pad:
+            rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
         layout = RaggedLayout([1] * len(positions), positions)
         slot_ids = layout.slot_ids(slots)
         context = self._contexts(len(positions)) if self.compiled else self._context_keys_values
