@@ -11,8 +11,8 @@ torch.profiler, whose CUPTI activity records see every kernel of the process, ML
 included (torch is on the GPU machine, not a dependency of laneserve). Writes
 `table-{plain,drafted}-N.txt` (torch.profiler's table by call count: kernels with their
 device time, and the CUDA API calls with their host time) and `kernel-counts.json`
-(per run: rounds, drafted rounds, tokens, seconds, kernels, device time, and kernels by
-name). `rounds` is summed over lanes, as bench_engine counts them: kernels per round
+(the command, commit and machine, and per run: rounds, drafted rounds, tokens, seconds,
+kernels, device time, and kernels by name). `rounds` is summed over lanes, as bench_engine counts them: kernels per round
 are a run's kernels over its rounds per lane (drafted runs hold a few plain rounds where
 the guard chose them; a run's prompt reading is counted too).
 """
@@ -43,6 +43,7 @@ def main() -> None:
     import mlx.core as mx
 
     from bench.bench_engine import Setup, decode_run
+    from bench.provenance import provenance
     from bench.scripted import published_profile
 
     setup = Setup(argparse.Namespace(model=args.model, drafter=args.drafter, dtype=None, decisive=1 / 32), 16)
@@ -73,7 +74,7 @@ def main() -> None:
                 f.write(prof.key_averages().table(sort_by="count", row_limit=80))
         del drafted
     with open(os.path.join(args.out, "kernel-counts.json"), "w") as f:
-        json.dump(counts, f, indent=1)
+        json.dump({**provenance(), "gen_tokens": args.gen, "runs": counts}, f, indent=1)
 
 
 if __name__ == "__main__":
