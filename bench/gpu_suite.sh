@@ -30,6 +30,9 @@
 #             fused attention for steady chunks only or for every one -> prompt-reads-2.6b.{json,md}
 #   fuse      cuda_cache_fuse: MLX's graph-cache fuse, bare and with
 #             laneserve's backend defaults                            -> cuda-cache-fuse.{json,md}
+#   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
+#             drafted round launch at 1 and 16 lanes, by name (CUPTI
+#             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
 #
 # Every result file records its command, commit and machine (bench/provenance.py). The
 # copy of the tree on the GPU machine has no reliable git metadata, so BENCH_COMMIT must
@@ -40,7 +43,7 @@
 # machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
 # does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|kernels"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -122,6 +125,10 @@ prompts)
   ;;
 fuse)
   step python -m bench.cuda_cache_fuse --out "$out"
+  ;;
+kernels)
+  checkpoints_2_6b
+  step python -m bench.kernel_counts --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/kernels" --lanes 1,16
   ;;
 *)
   echo "$usage" >&2
