@@ -239,6 +239,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("lanes/round.py", "                padded_width=self.verify_width if self.steady_shapes else None,\n", ""),),
         ("tests/test_pricing.py",),
     ),
+    Mutant(
+        "conv-kernel-commit-misorders-lanes",
+        "on CUDA, a verify's conv states are rebuilt with each lane's kept rows taken from another lane "
+        "(the kernels' path; the CPU's operations are untouched)",
+        (Edit("families/lfm2/target.py", "mx.array(kept_sorted, dtype=mx.int32))", "mx.array(kept_sorted[::-1], dtype=mx.int32))"),),
+        ("tests/test_conv_kernel.py",),
+    ),
 )
 
 

@@ -2,8 +2,9 @@
 windows and kept pools are exactly the operations', its gated rows equal them within the
 dtype's rounding, for any slots, widths and with or without a bias; a target serving its
 conv layers by the kernel runs rounds (prefill, one-row steps, a verify partly kept) as the
-operations do. The kernel tests run only where MLX has its CUDA backend; the CPU never
-takes the kernel."""
+operations do. The kernel tests run only where MLX has its CUDA backend; on the CPU, the
+target's rounds through the kernels' path (the kernels emulated as operations) equal the
+operations', and serving never takes the kernels there."""
 
 from __future__ import annotations
 
@@ -62,9 +63,11 @@ def test_rounds_it_cannot_take_are_refused(on_gpu):
 
 
 def run_rounds(target: Lfm2Target) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Prefill three lanes (ragged), two one-row steps, a 5-row verify kept in part, a step."""
+    """Three lanes in slots 3, 0 and 2 (not contiguous, not in slot order): a ragged prefill,
+    two one-row steps, a 5-row verify kept in part, a step."""
     rng = np.random.default_rng(3)
-    lanes = [target.open_lane() for _ in range(3)]
+    opened = [target.open_lane() for _ in range(4)]
+    lanes = [opened[3], opened[0], opened[2]]
     logits = []
     out = target.forward(lanes, [[int(t) for t in rng.integers(15, 500, n)] for n in (7, 12, 3)], logits="last")
     target.commit(out, [7, 12, 3])
@@ -91,6 +94,50 @@ def test_a_target_by_kernel_runs_rounds_as_the_operations_do(on_gpu, dense_dir):
     ops_logits, ops_pools = run_rounds(by_operations)
     for got, expected in zip(kernel_logits + kernel_pools, ops_logits + ops_pools):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def emulated_gated_conv(z, pool, slots, weight, bias, width, keep):
+    """`conv_kernel.gated_conv` as MLX operations: what the kernel computes, on any device."""
+    lanes, hidden = slots.shape[0], pool.shape[2]
+    b, c, x = mx.split(z, 3, axis=-1)
+    window = mx.concatenate([pool[slots], (b * x).reshape(lanes, width, hidden)], axis=1)
+    conv = sum(weight[:, k] * window[:, k : k + width] for k in range(weight.shape[1]))
+    conv = conv if bias is None else conv + bias
+    kept = None
+    if keep:
+        kept = mx.array(pool)
+        kept[slots] = window[:, width:]
+    return c * conv.reshape(lanes * width, hidden), window, kept
+
+
+def emulated_kept_states(windows, pools, slots, kept):
+    """`conv_kernel.kept_states` as MLX operations."""
+    span = pools[0].shape[1]
+    pick = (kept[:, None] + mx.arange(span, dtype=mx.int32))[:, :, None]
+    states = []
+    for window, pool in zip(windows, pools):
+        state = mx.array(pool)
+        state[slots] = mx.take_along_axis(window, pick, axis=1)
+        states.append(state)
+    return states
+
+
+def test_rounds_through_the_kernels_path_equal_the_operations_on_the_cpu(dense_dir, monkeypatch):
+    # The kernels' wiring (which rounds take them, slot ids, the kept pool of a one-row
+    # round, commit rebuilding every layer at once) checked in CI with the kernels emulated.
+    monkeypatch.setattr(conv_kernel, "gated_conv", emulated_gated_conv)
+    monkeypatch.setattr(conv_kernel, "kept_states", emulated_kept_states)
+    by_kernel = Lfm2Target(*load_model(dense_dir), max_lanes=4)
+    convs = [layer.conv for layer in by_kernel.model.layers if not layer.is_attention]
+    for conv in convs:
+        conv.by_kernel = True
+    calls = []
+    monkeypatch.setattr(conv_kernel, "kept_states", lambda *args: calls.append(len(args[0])) or emulated_kept_states(*args))
+    kernel_logits, kernel_pools = run_rounds(by_kernel)
+    ops_logits, ops_pools = run_rounds(Lfm2Target(*load_model(dense_dir), max_lanes=4))
+    assert calls == [len(convs)] * 2  # the prefill and the verify, every conv layer at once
+    for got, expected in zip(kernel_logits + kernel_pools, ops_logits + ops_pools):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_cpu_keeps_the_operations(dense_dir):
