@@ -221,7 +221,7 @@ class DSparkDrafter:
         pad = row_bucket(len(positions)) - len(positions) if bucket_rows else 0
         slots += slots[-1:] * pad
         positions += positions[-1:] * pad
-        rows = taps if isinstance(taps, mx.array) else taps[0] if len(taps) == 1 else mx.concatenate(taps, axis=0)
+        rows = taps if isinstance(taps, mx.array) else mx.concatenate(taps, axis=0)
         if pad:
             rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
         layout = RaggedLayout([1] * len(positions), positions)
