@@ -71,10 +71,6 @@ def available() -> bool:
 _kernel = None
 
 
-def as_dtype(a: mx.array, dtype) -> mx.array:
-    return a if a.dtype == dtype else a.astype(dtype)
-
-
 def gated_conv(z: mx.array, pool: mx.array, slots: mx.array, weight: mx.array, bias: mx.array | None,
                width: int, keep: bool) -> tuple[mx.array, mx.array, mx.array | None]:
     """`z [N * W, 3H]` (in_proj's B | C | X rows, lane after lane, W = `width` each), the
@@ -94,8 +90,10 @@ def gated_conv(z: mx.array, pool: mx.array, slots: mx.array, weight: mx.array, b
     dtype = z.dtype
     threads = max(lanes, pool.shape[0] if keep else 0) * hidden
     outputs = _kernel(
-        inputs=[z, as_dtype(pool, dtype), as_dtype(slots, mx.int32), as_dtype(weight, dtype),
-                as_dtype(bias, dtype) if bias is not None else mx.zeros((1,), dtype)],
+        # Without a bias the taps stand in for it, unread: a zeros array would be a fill
+        # kernel of its own in every compiled segment.
+        inputs=[z, pool.astype(dtype), slots.astype(mx.int32), weight.astype(dtype),
+                (bias if bias is not None else weight).astype(dtype)],
         template=[("T", dtype), ("W", width), ("L", taps), ("KEEP", keep), ("HAS_BIAS", bias is not None)],
         grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(lanes * width, hidden), (lanes, taps - 1 + width, hidden), pool.shape if keep else (1,)],
@@ -148,7 +146,7 @@ def kept_states(windows: list[mx.array], pools: list[mx.array], slots: mx.array,
     lanes, hidden = slots.shape[0], pools[0].shape[2]
     threads = max(lanes, pools[0].shape[0]) * hidden
     return _kept_kernels[layers](
-        inputs=[*windows, *(as_dtype(pool, dtype) for pool in pools), as_dtype(slots, mx.int32), as_dtype(kept, mx.int32)],
+        inputs=[*windows, *(pool.astype(dtype) for pool in pools), slots.astype(mx.int32), kept.astype(mx.int32)],
         template=[("T", dtype), ("L", pools[0].shape[1] + 1)],
         grid=(-(-threads // THREADS) * THREADS, layers, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[pool.shape for pool in pools], output_dtypes=[dtype] * layers)
