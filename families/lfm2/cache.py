@@ -239,6 +239,10 @@ class KVPool:
         index, span = layout.slot_index(slots), layout.span
         return self._shaped(self.keys)[index, :, :span], self._shaped(self.values)[index, :, :span]
 
+    def views(self) -> tuple[mx.array, mx.array]:
+        """Every slot's keys and values `[S, kv_heads, capacity, D]` (views)."""
+        return self._shaped(self.keys), self._shaped(self.values)
+
     def rows(self, slot: int, start: int, end: int) -> tuple[mx.array, mx.array]:
         """One slot's keys and values at positions start..end-1, `[kv_heads, n, D]` (lazy views)."""
         return self._shaped(self.keys)[slot, :, start:end], self._shaped(self.values)[slot, :, start:end]

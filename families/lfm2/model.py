@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import conv_kernel, expert_kernel, row_kernel
+from . import attention_kernel, conv_kernel, expert_kernel, row_kernel
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -233,6 +233,8 @@ class ShortConv(nn.Module):
 class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k before split-half ("neox") RoPE."""
 
+    by_kernel = False  # a few rows per lane attended by `attention_kernel` (see Lfm2Model.serve_by_rows)
+
     def __init__(self, cfg: Lfm2Config):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -280,6 +282,9 @@ class Attention(nn.Module):
     def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
         """The round's keys and values into the pool, then attention over each lane's keys."""
         pool.write(slots, layout, k, v)
+        if self.by_kernel and attention_kernel.takes(layout.width, layout.span):
+            return attention_kernel.pool_attention(q, *pool.views(), layout.slot_ids(slots), layout.offsets_array, self.scale,
+                                                   causal=True)
         keys, values = pool.read(slots, layout)
         return attend(q, keys, values, self.scale, layout.attention_mask(layout.span))
 
@@ -491,11 +496,15 @@ class Lfm2Model(nn.Module):
 
     def serve_by_rows(self) -> None:
         """Serve a few rows times the weights by `row_products`, the tied head too where
-        its table is not quantized, a few rows times their experts by `expert_kernel` and
-        each conv layer's gated conv by `conv_kernel` (a GPU backend's choice, see there)."""
+        its table is not quantized, a few rows times their experts by `expert_kernel`, each
+        conv layer's gated conv by `conv_kernel` and a few query rows per lane by
+        `attention_kernel` (a GPU backend's choice, see there)."""
         serve_linears_by_rows(self)
         for layer in self.layers:
-            if not layer.is_attention:
+            if layer.is_attention:
+                attn = layer.self_attn
+                attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
+            else:
                 layer.conv.by_kernel = conv_kernel.available()
             if isinstance(layer.feed_forward, SparseMoE):
                 layer.feed_forward.experts.serve_by_kernel()

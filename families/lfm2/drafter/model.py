@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import attention_kernel
 from ..cache import KVPool, RaggedLayout
 from ..model import attend, merge_parts, swiglu
 from .config import DSparkConfig
@@ -14,6 +15,8 @@ from .config import DSparkConfig
 class DSparkAttention(nn.Module):
     """GQA with per-head RMSNorm on q and k, then RoPE (interleaved pairing by default).
     The block's queries attend over the lane's context keys and the whole block."""
+
+    by_kernel = False  # the block attended by `attention_kernel` (set by DSparkDrafter where it serves)
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
@@ -63,6 +66,9 @@ class DSparkAttention(nn.Module):
         round only, overwritten by the next append); the block attends over the lane's
         context and itself."""
         pool.write(slots, layout, k, v)
+        if self.by_kernel and attention_kernel.takes(layout.width, layout.span):
+            return attention_kernel.pool_attention(q, *pool.views(), layout.slot_ids(slots), layout.offsets_array, self.scale,
+                                                   causal=False)
         keys, values = pool.read(slots, layout)
         return attend(q, keys, values, self.scale, mask)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .. import attention_kernel
 from ..cache import (
     KVPool,
     LaneSlot,
@@ -135,6 +136,9 @@ class DSparkDrafter:
             layer.mlp.merge_projections()
         if plans_per_shape() if by_rows is None else by_rows:
             serve_linears_by_rows(model)
+            for layer in model.layers:
+                attn = layer.self_attn
+                attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
         markov = model.markov_head
         serves = cuda_chain_available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
         self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
