@@ -246,6 +246,21 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("families/lfm2/target.py", "mx.array(kept_sorted, dtype=mx.int32))", "mx.array(kept_sorted[::-1], dtype=mx.int32))"),),
         ("tests/test_conv_kernel.py",),
     ),
+    Mutant(
+        "attention-kernel-verify-sees-ahead",
+        "on CUDA, a verify window's rows each attend over the whole window, later drafts included "
+        "(the attention kernel's path; the CPU's operations are untouched)",
+        (Edit("families/lfm2/model.py", "self.scale,\n                                                   causal=True)",
+              "self.scale,\n                                                   causal=False)"),),
+        ("tests/test_attention_kernel.py",),
+    ),
+    Mutant(
+        "attention-kernel-block-seen-causally",
+        "on CUDA, a drafter's block rows no longer see the block rows after them (the attention kernel's path)",
+        (Edit("families/lfm2/drafter/model.py", "self.scale,\n                                                   causal=False)",
+              "self.scale,\n                                                   causal=True)"),),
+        ("tests/test_attention_kernel.py",),
+    ),
 )
 
 
