@@ -27,6 +27,8 @@ import struct
 
 import mlx.core as mx
 
+from .cuda import available as available  # re-exported: where this kernel can serve
+
 WARPS = 8
 MAX_ROWS = 32
 MAX_KEYS = 4096
@@ -120,10 +122,6 @@ _SOURCE = """
         o[(((size_t)n * rows + j) * heads + kv * G + g) * D + d] = static_cast<T>(sum / total);
     }
 """
-
-
-def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def serves(heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from . import cuda
+
 
 def plans_per_shape() -> bool:
     """Whether the default device's backend builds a plan the first time it meets each
     matmul shape (CUDA's cuBLASLt does: about 3.5 ms per shape on the H200). Where it
     does, rounds pad their varying row counts to `row_bucket`s; elsewhere padding would
     only add work."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return cuda.available()
 
 
 def row_bucket(rows: int, ceiling: int | None = None) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cuda import available as available  # re-exported: where this kernel can serve
+
 THREADS = 256
 
 # Template constants: W (rows per lane), L (conv taps), KEEP (one-row round: write the kept
@@ -62,10 +64,6 @@ _SOURCE = """
 # A window of more rows than this holds too many registers per thread: such rounds (long
 # prompt chunks) take the operations.
 MAX_ROWS = 32
-
-
-def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 _kernel = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cuda import available as available  # re-exported: where this kernel can serve
 from .row_kernel import MMA_HEADER, VECTOR, WARPS
 
 MAX_ROWS = 16  # rows of x (one 16-row tile per expert)
@@ -84,10 +85,6 @@ _SOURCE = """
         if (pair >= 0 && col < n_len) y[(size_t)pair * n_len + col] = static_cast<Y>(sum);
     }
 """
-
-
-def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def serves(weight: mx.array, rows: int, per_row: int) -> bool:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .cuda import available as available  # re-exported: where this kernel can serve
+
 WARPS = 8  # per block, along K
 MAX_ROWS = 32
 VECTOR = 8  # elements per 16-byte load
@@ -91,10 +93,6 @@ _SOURCE = """
             if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
         }
 """
-
-
-def available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def serves(weight: mx.array) -> bool:

@@ -66,10 +66,6 @@ _SOURCE = """
 """
 
 
-def cuda_chain_available() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 class FusedGreedyChain:
     """`(U [N, g, V], anchors [N]) -> tokens [N, g] int32` for a small Markov head of
     plain (unquantized) weights, on CUDA. Keeps float32 copies of `w1` and of `w2` transposed

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import attention_kernel
+from .. import attention_kernel, cuda
 from ..cache import (
     KVPool,
     LaneSlot,
@@ -21,7 +21,7 @@ from ..cache import (
     stacked_rows,
 )
 from ..model import Lfm2Model, serve_linears_by_rows
-from .chain import FusedGreedyChain, cuda_chain_available
+from .chain import FusedGreedyChain
 from .model import DSparkModel
 
 # Proposals round their key span up to this many rows (see RaggedLayout).
@@ -140,7 +140,7 @@ class DSparkDrafter:
                 attn = layer.self_attn
                 attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
         markov = model.markov_head
-        serves = cuda_chain_available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
+        serves = cuda.available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
         self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths

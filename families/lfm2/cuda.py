@@ -1,0 +1,11 @@
+"""Whether work runs on MLX's CUDA backend: where laneserve's own CUDA kernels
+(`row_kernel`, `expert_kernel`, `conv_kernel`, `attention_kernel`, the drafter's greedy
+chain) can serve, and where the backend plans per shape (`cache.plans_per_shape`)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def available() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
