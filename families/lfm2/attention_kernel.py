@@ -2,7 +2,10 @@
 kernel.
 
 As MLX operations, a verify window's or a drafter block's attention (2-32 rows per lane,
-where the backend's fused kernel would plan per shape, see model.py) is the pool's keys
+where the backend's fused kernel would plan per shape, see model.py), and a one-row step's
+of several lanes (whose masks the fused decoding kernel does not take: on the H200 it
+gave way to a batched GEMV, a pointer-array GEMM and their setup, about 90 us of device
+time per layer at 16 lanes, bench/results/gpu/session16/kernels-dc633b9), is the pool's keys
 read by slot, the queries scaled, the scores, the mask, the softmax, the values and the
 copies between them: about six kernels per attention layer, each paid in host time (a
 round on the H200 is bound by it). Here one block per lane, KV head and query row
@@ -130,10 +133,13 @@ def serves(heads: int, kv_heads: int, head_dim: int) -> bool:
     return available() and head_dim % 32 == 0 and heads % kv_heads == 0 and (WARPS + 1) * heads // kv_heads * head_dim * 4 <= 48 * 1024
 
 
-def takes(rows: int, keys: int) -> bool:
-    """Whether queries of `rows` rows per lane over a span of `keys` keys take the kernel
-    (one-row steps keep the backend's fused decoding kernel)."""
-    return 2 <= rows <= MAX_ROWS and keys <= MAX_KEYS
+def takes(lanes: int, rows: int, keys: int) -> bool:
+    """Whether queries of `rows` rows for each of `lanes` lanes over a span of `keys` keys
+    take the kernel. One lane's one-row step keeps the backend's fused decoding kernel,
+    which spreads a long span over the whole GPU; with several lanes' masks that kernel
+    gives way to matmuls (a batched GEMV, a softmax and a pointer-array GEMM per layer),
+    which this kernel replaces."""
+    return (rows >= 2 or lanes >= 2) and rows <= MAX_ROWS and keys <= MAX_KEYS
 
 
 _kernel = None

@@ -283,7 +283,7 @@ class Attention(nn.Module):
     def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool) -> mx.array:
         """The round's keys and values into the pool, then attention over each lane's keys."""
         pool.write(slots, layout, k, v)
-        if self.by_kernel and attention_kernel.takes(layout.width, layout.span):
+        if self.by_kernel and attention_kernel.takes(layout.lanes, layout.width, layout.span):
             return attention_kernel.pool_attention(q, *pool.views(), layout.slot_ids(slots), layout.offsets_array, self.scale,
                                                    causal=True)
         keys, values = pool.read(slots, layout)

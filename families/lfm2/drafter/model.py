@@ -66,7 +66,7 @@ class DSparkAttention(nn.Module):
         round only, overwritten by the next append); the block attends over the lane's
         context and itself."""
         pool.write(slots, layout, k, v)
-        if self.by_kernel and attention_kernel.takes(layout.width, layout.span):
+        if self.by_kernel and attention_kernel.takes(layout.lanes, layout.width, layout.span):
             return attention_kernel.pool_attention(q, *pool.views(), layout.slot_ids(slots), layout.offsets_array, self.scale,
                                                    causal=False)
         keys, values = pool.read(slots, layout)
