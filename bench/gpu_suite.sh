@@ -10,6 +10,9 @@
 #             too), and its load memory                               -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
 #   rows      bench_rows, 2.6B shape: a step's products for 2-32 rows,
 #             laneserve's row kernel against MLX's matmul             -> rows-2.6b.{json,md}
+#   launches  row_launches, 2.6B shape: the row kernel's launches per
+#             weight shape for 2-32 rows, device time by CUPTI (through
+#             the machine's torch), beside MLX's GEMV and matmul      -> row-launches-2.6b.{json,md}
 #   experts   bench_experts, LFM2-8B-A1B shape: a step's expert products
 #             for 1-16 rows, laneserve's expert kernel against
 #             gather_mm                                               -> experts-8b.{json,md}
@@ -43,7 +46,7 @@
 # machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
 # does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|kernels"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|kernels"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -91,6 +94,10 @@ experts)
 rows)
   checkpoints_2_6b
   step python -m bench.bench_rows --model "$ck/2.6b" --out "$out" --name rows-2.6b --rows 2,4,8,9,16,17,32 --seconds 1.5
+  ;;
+launches)
+  checkpoints_2_6b
+  step python -m bench.row_launches --model "$ck/2.6b" --out "$out" --name row-launches-2.6b --rows 2,9,16,32 --turns 5
   ;;
 drafting)
   checkpoints_2_6b

@@ -6,6 +6,8 @@ weights and up to 16 rows on CUDA only. The kernel tests run only where MLX has 
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -41,12 +43,25 @@ def test_too_many_rows_are_refused(on_gpu):
 
 
 @needs_cuda
-def test_a_row_is_the_same_whatever_rows_come_with_it(on_gpu):
-    weight = mx.random.normal((300, 512)).astype(mx.bfloat16)
-    x = mx.random.normal((32, 512)).astype(mx.bfloat16)
-    together = np.array(row_kernel.rows_times_weight(x, weight).astype(mx.float32))
+@pytest.mark.parametrize("launch", row_kernel.LAUNCHES, ids=str)
+def test_every_launch_gives_the_products_and_a_row_whatever_rows_come_with_it(on_gpu, launch):
+    # K = 1288 is not a whole number of any launch's chunks: the last ones are partial.
+    rng = np.random.default_rng(launch.warps + launch.depth)
+    weight = mx.array(rng.standard_normal((300, 1288)) / np.sqrt(1288), dtype=mx.float32).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((32, 1288)), dtype=mx.float32).astype(mx.bfloat16)
+    together = np.array(row_kernel.rows_times_weight(x, weight, launch).astype(mx.float32))
+    exact = np.array(x.astype(mx.float32)) @ np.array(weight.astype(mx.float32)).T
+    np.testing.assert_allclose(together, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
     for rows in (1, 5, 16, 17):
-        np.testing.assert_array_equal(np.array(row_kernel.rows_times_weight(x[:rows], weight).astype(mx.float32)), together[:rows])
+        np.testing.assert_array_equal(np.array(row_kernel.rows_times_weight(x[:rows], weight, launch).astype(mx.float32)),
+                                      together[:rows])
+
+
+def test_a_weights_launch_depends_on_the_weight_alone():
+    # so a row's product is the same in a step, a verify and a prompt chunk
+    assert list(inspect.signature(row_kernel.launch_for).parameters) == ["n", "k"]
+    for n, k in ((2048, 2048), (21504, 2048), (2048, 10752), (128000, 2048), (7, 24)):
+        assert row_kernel.launch_for(n, k) in row_kernel.LAUNCHES
 
 
 @needs_cuda

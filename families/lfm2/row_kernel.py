@@ -24,6 +24,8 @@ x and for the weight leaves each dot product unchanged and lets every load be on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from .cuda import available as available  # re-exported: where this kernel can serve
@@ -54,7 +56,8 @@ __device__ __forceinline__ void chunk(float* c, const uint4& lo, const uint4& hi
 }
 """
 
-# Template constants: TILES (16-row tiles of x: 1 or 2), BF16, WARPS, Y (the output type).
+# Template constants: TILES (16-row tiles of x: 1 or 2), BF16, Y (the output type), and the
+# launch (`Launch`): WARPS, DEPTH, STREAM.
 _SOURCE = """
     __shared__ float partial[WARPS][TILES * 4][32];
     const int m_rows = x_shape[0], k_len = x_shape[1], n_len = w_shape[0];
@@ -64,16 +67,28 @@ _SOURCE = """
     float acc[TILES][4];
     #pragma unroll
     for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    // A block covers WARPS * 32 elements of K a chunk. Each thread loads its weight for
+    // DEPTH chunks before multiplying any, so that many loads are in flight; the chunks
+    // are still summed in order of K.
     #pragma unroll 4
-    for (int k = (warp * 4 + t) * 8; k - t * 8 < k_len; k += WARPS * 32) {
-        const bool in_k = k < k_len;
-        const uint4 wv = (in_k && n < n_len) ? *reinterpret_cast<const uint4*>(w + (size_t)n * k_len + k) : zero;
+    for (int base = (warp * 4 + t) * 8; base - t * 8 < k_len; base += WARPS * 32 * DEPTH) {
+        uint4 wv[DEPTH];
         #pragma unroll
-        for (int i = 0; i < TILES; ++i) {
-            const int lo_row = i * 16 + g, hi_row = lo_row + 8;
-            const uint4 lo = (in_k && lo_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)lo_row * k_len + k) : zero;
-            const uint4 hi = (in_k && hi_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)hi_row * k_len + k) : zero;
-            chunk<BF16>(acc[i], lo, hi, wv);
+        for (int d = 0; d < DEPTH; ++d) {
+            const int k = base + d * WARPS * 32;
+            wv[d] = (k < k_len && n < n_len) ? load_weight<STREAM>(w + (size_t)n * k_len + k) : zero;
+        }
+        #pragma unroll
+        for (int d = 0; d < DEPTH; ++d) {
+            const int k = base + d * WARPS * 32;
+            const bool in_k = k < k_len;
+            #pragma unroll
+            for (int i = 0; i < TILES; ++i) {
+                const int lo_row = i * 16 + g, hi_row = lo_row + 8;
+                const uint4 lo = (in_k && lo_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)lo_row * k_len + k) : zero;
+                const uint4 hi = (in_k && hi_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)hi_row * k_len + k) : zero;
+                chunk<BF16>(acc[i], lo, hi, wv[d]);
+            }
         }
     }
     #pragma unroll
@@ -94,6 +109,35 @@ _SOURCE = """
         }
 """
 
+# A weight is read once: STREAM loads it with the evict-first hint, leaving the cache to
+# the rows of x that every block reads.
+_LOAD_HEADER = """
+template <bool STREAM, typename T>
+__device__ __forceinline__ uint4 load_weight(const T* p) {
+    if (STREAM) return __ldcs(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<const uint4*>(p);
+}
+"""
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the kernel is launched for a weight: warps per block (along K), weight loads in
+    flight per thread, and whether weights are loaded with the evict-first hint."""
+
+    warps: int = WARPS
+    depth: int = 1
+    stream: bool = False
+
+
+LAUNCHES = tuple(Launch(w, d, s) for w in (4, 8, 16, 32) for d in (1, 2, 4) for s in (False, True))
+
+
+def launch_for(n: int, k: int) -> Launch:
+    """The launch for a weight `[n, k]`: a function of the weight alone, so a row's
+    product does not depend on how many rows come with it."""
+    return Launch()
+
 
 def serves(weight: mx.array) -> bool:
     """Whether the kernel can multiply rows by `weight`: a plain 2-D bfloat16 or float16
@@ -105,19 +149,21 @@ def serves(weight: mx.array) -> bool:
 _kernel = None
 
 
-def rows_times_weight(x: mx.array, weight: mx.array) -> mx.array:
-    """`x @ weight.T` for `x [M, K]` (1 <= M <= MAX_ROWS) and `weight [N, K]`, both of one dtype."""
+def rows_times_weight(x: mx.array, weight: mx.array, launch: Launch | None = None) -> mx.array:
+    """`x @ weight.T` for `x [M, K]` (1 <= M <= MAX_ROWS) and `weight [N, K]`, both of one
+    dtype, launched as `launch` says (by default `launch_for` the weight)."""
     global _kernel
     if not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"the row kernel multiplies 1 to {MAX_ROWS} rows, not {x.shape[0]}")
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
-                                      source=_SOURCE, header=MMA_HEADER)
-    rows, n = x.shape[0], weight.shape[0]
+                                      source=_SOURCE, header=MMA_HEADER + _LOAD_HEADER)
+    rows, (n, k) = x.shape[0], weight.shape
+    launch = launch or launch_for(n, k)
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
         template=[("Y", weight.dtype), ("TILES", 1 if rows <= 16 else 2), ("BF16", weight.dtype == mx.bfloat16),
-                  ("WARPS", WARPS)],
-        grid=(-(-n // 8) * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                  ("WARPS", launch.warps), ("DEPTH", launch.depth), ("STREAM", launch.stream)],
+        grid=(-(-n // 8) * launch.warps * 32, 1, 1), threadgroup=(launch.warps * 32, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[weight.dtype])
     return y
