@@ -8,10 +8,10 @@
 #             with the engine on cuBLASLt beside it (--cublas)        -> gpu-lfm2.5-2.6b.{json,md}
 #   8b        bench_target, LFM2-8B-A1B shape at 16 lanes (--cublas
 #             too), and its load memory                               -> gpu-lfm2-8b-a1b.*, gpu-load-memory-lfm2-8b-a1b.*
-#   rows      bench_rows, 2.6B shape: a step's products for 2-32 rows,
+#   rows      bench_rows, 2.6B shape: a step's products for 2-16 rows,
 #             laneserve's row kernel against MLX's matmul             -> rows-2.6b.{json,md}
 #   launches  row_launches, 2.6B shape: the row kernel's launches per
-#             weight shape for 2-32 rows, device time by CUPTI (through
+#             weight shape for 2-16 rows, device time by CUPTI (through
 #             the machine's torch), beside MLX's GEMV and matmul      -> row-launches-2.6b.{json,md}
 #   experts   bench_experts, LFM2-8B-A1B shape: a step's expert products
 #             for 1-16 rows, laneserve's expert kernel against
@@ -93,11 +93,11 @@ experts)
   ;;
 rows)
   checkpoints_2_6b
-  step python -m bench.bench_rows --model "$ck/2.6b" --out "$out" --name rows-2.6b --rows 2,4,8,9,16,17,32 --seconds 1.5
+  step python -m bench.bench_rows --model "$ck/2.6b" --out "$out" --name rows-2.6b --rows 2,4,8,9,16 --seconds 1.5
   ;;
 launches)
   checkpoints_2_6b
-  step python -m bench.row_launches --model "$ck/2.6b" --out "$out" --name row-launches-2.6b --rows 2,9,16,32 --turns 5
+  step python -m bench.row_launches --model "$ck/2.6b" --out "$out" --name row-launches-2.6b --rows 2,9,16 --turns 5
   ;;
 drafting)
   checkpoints_2_6b

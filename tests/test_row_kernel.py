@@ -24,7 +24,7 @@ from tests.cuda import needs_cuda
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [(mx.bfloat16, 2e-2), (mx.float16, 2e-3)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 15, 16])
 @pytest.mark.parametrize("n,k", [(40, 24), (1001, 264), (3072, 2048), (7, 10752)])
 def test_products_equal_float32_products(on_gpu, dtype, tolerance, rows, n, k):
     rng = np.random.default_rng(rows * n + k)
@@ -38,8 +38,8 @@ def test_products_equal_float32_products(on_gpu, dtype, tolerance, rows, n, k):
 
 @needs_cuda
 def test_too_many_rows_are_refused(on_gpu):
-    with pytest.raises(ValueError, match="1 to 32 rows"):
-        row_kernel.rows_times_weight(mx.ones((33, 8), dtype=mx.bfloat16), mx.ones((4, 8), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        row_kernel.rows_times_weight(mx.ones((17, 8), dtype=mx.bfloat16), mx.ones((4, 8), dtype=mx.bfloat16))
 
 
 @needs_cuda
@@ -48,11 +48,11 @@ def test_every_launch_gives_the_products_and_a_row_whatever_rows_come_with_it(on
     # K = 1288 is not a whole number of any launch's chunks: the last ones are partial.
     rng = np.random.default_rng(launch.warps + launch.depth)
     weight = mx.array(rng.standard_normal((300, 1288)) / np.sqrt(1288), dtype=mx.float32).astype(mx.bfloat16)
-    x = mx.array(rng.standard_normal((32, 1288)), dtype=mx.float32).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((16, 1288)), dtype=mx.float32).astype(mx.bfloat16)
     together = np.array(row_kernel.rows_times_weight(x, weight, launch).astype(mx.float32))
     exact = np.array(x.astype(mx.float32)) @ np.array(weight.astype(mx.float32)).T
     np.testing.assert_allclose(together, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
-    for rows in (1, 5, 16, 17):
+    for rows in (1, 5, 9, 15):
         np.testing.assert_array_equal(np.array(row_kernel.rows_times_weight(x[:rows], weight, launch).astype(mx.float32)),
                                       together[:rows])
 
@@ -72,7 +72,7 @@ def test_row_products_take_the_kernel_for_large_weights_and_few_rows(on_gpu):
     x = mx.random.normal((2, 5, k)).astype(mx.bfloat16)
     np.testing.assert_array_equal(np.array(row_products(weight, x).astype(mx.float32)),
                                   np.array(row_kernel.rows_times_weight(x.reshape(10, k), weight).reshape(2, 5, -1).astype(mx.float32)))
-    wide = mx.random.normal((ROW_KERNEL_ROWS + 1, k)).astype(mx.bfloat16)  # past where the kernel measured at par
+    wide = mx.random.normal((ROW_KERNEL_ROWS + 1, k)).astype(mx.bfloat16)  # past what the kernel takes
     np.testing.assert_array_equal(np.array(row_products(weight, wide).astype(mx.float32)), np.array((wide @ weight.T).astype(mx.float32)))
 
 

@@ -101,7 +101,7 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
 # laneserve's own kernel (`row_kernel`, CUDA only), which reads it once.
 ROW_PRODUCT_ROWS = 32
 ROW_PRODUCT_BYTES = 4 * 2**20
-ROW_KERNEL_ROWS = 16
+ROW_KERNEL_ROWS = row_kernel.MAX_ROWS
 
 
 def row_products(weight: mx.array, x: mx.array) -> mx.array:

@@ -31,7 +31,7 @@ import mlx.core as mx
 from .cuda import available as available  # re-exported: where this kernel can serve
 
 WARPS = 8  # per block, along K
-MAX_ROWS = 32
+MAX_ROWS = 16  # one tile of the mma's 16 rows
 VECTOR = 8  # elements per 16-byte load
 
 MMA_HEADER = """
@@ -43,7 +43,7 @@ __device__ __forceinline__ void mma_f16(float* c, unsigned a0, unsigned a1, unsi
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// One chunk's two mmas for a 16-row tile: `lo` holds row g's 8 elements, `hi` row g + 8's, `w` the weight row's.
+// One chunk's two mmas for the 16-row tile: `lo` holds row g's 8 elements, `hi` row g + 8's, `w` the weight row's.
 template <bool BF16>
 __device__ __forceinline__ void chunk(float* c, const uint4& lo, const uint4& hi, const uint4& w) {
     if (BF16) {
@@ -56,17 +56,14 @@ __device__ __forceinline__ void chunk(float* c, const uint4& lo, const uint4& hi
 }
 """
 
-# Template constants: TILES (16-row tiles of x: 1 or 2), BF16, Y (the output type), and the
-# launch (`Launch`): WARPS, DEPTH, STREAM.
+# Template constants: BF16, Y (the output type), and the launch (`Launch`): WARPS, DEPTH, STREAM.
 _SOURCE = """
-    __shared__ float partial[WARPS][TILES * 4][32];
+    __shared__ float partial[WARPS][4][32];
     const int m_rows = x_shape[0], k_len = x_shape[1], n_len = w_shape[0];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int n = blockIdx.x * 8 + g;  // the weight row this thread loads
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    float acc[TILES][4];
-    #pragma unroll
-    for (int i = 0; i < TILES; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // A block covers WARPS * 32 elements of K a chunk. Each thread loads its weight for
     // DEPTH chunks before multiplying any, so that many loads are in flight; the chunks
     // are still summed in order of K.
@@ -82,31 +79,23 @@ _SOURCE = """
         for (int d = 0; d < DEPTH; ++d) {
             const int k = base + d * WARPS * 32;
             const bool in_k = k < k_len;
-            #pragma unroll
-            for (int i = 0; i < TILES; ++i) {
-                const int lo_row = i * 16 + g, hi_row = lo_row + 8;
-                const uint4 lo = (in_k && lo_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)lo_row * k_len + k) : zero;
-                const uint4 hi = (in_k && hi_row < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)hi_row * k_len + k) : zero;
-                chunk<BF16>(acc[i], lo, hi, wv[d]);
-            }
+            const uint4 lo = (in_k && g < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)g * k_len + k) : zero;
+            const uint4 hi = (in_k && g + 8 < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)(g + 8) * k_len + k) : zero;
+            chunk<BF16>(acc, lo, hi, wv[d]);
         }
     }
     #pragma unroll
-    for (int i = 0; i < TILES; ++i)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) partial[warp][i * 4 + j][lane] = acc[i][j];
+    for (int j = 0; j < 4; ++j) partial[warp][j][lane] = acc[j];
     __syncthreads();
     if (warp != 0) return;
     #pragma unroll
-    for (int i = 0; i < TILES; ++i)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float sum = 0.0f;
-            for (int v = 0; v < WARPS; ++v) sum += partial[v][i * 4 + j][lane];
-            // c0, c1: row g, columns 2t and 2t + 1 of the block's 8; c2, c3: row g + 8.
-            const int row = i * 16 + g + (j >= 2 ? 8 : 0), col = blockIdx.x * 8 + 2 * t + (j & 1);
-            if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
-        }
+    for (int j = 0; j < 4; ++j) {
+        float sum = 0.0f;
+        for (int v = 0; v < WARPS; ++v) sum += partial[v][j][lane];
+        // c0, c1: row g, columns 2t and 2t + 1 of the block's 8; c2, c3: row g + 8.
+        const int row = g + (j >= 2 ? 8 : 0), col = blockIdx.x * 8 + 2 * t + (j & 1);
+        if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
+    }
 """
 
 # A weight is read once: STREAM loads it with the evict-first hint, leaving the cache to
@@ -162,7 +151,7 @@ def rows_times_weight(x: mx.array, weight: mx.array, launch: Launch | None = Non
     launch = launch or launch_for(n, k)
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
-        template=[("Y", weight.dtype), ("TILES", 1 if rows <= 16 else 2), ("BF16", weight.dtype == mx.bfloat16),
+        template=[("Y", weight.dtype), ("BF16", weight.dtype == mx.bfloat16),
                   ("WARPS", launch.warps), ("DEPTH", launch.depth), ("STREAM", launch.stream)],
         grid=(-(-n // 8) * launch.warps * 32, 1, 1), threadgroup=(launch.warps * 32, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[weight.dtype])
