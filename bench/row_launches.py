@@ -121,34 +121,41 @@ def run(args) -> dict:
                           "us": us, "us_turns": dict(per_turn), "tb_s": {key: nbytes / v / 1e6 for key, v in us.items()}})
             best = min((key for key in us if key not in ("gemv", "matmul")), key=us.get)
             print(f"rows {rows} {shape} x{len(group)}: best {best} {us[best]:.1f} us ({cells[-1]['tb_s'][best]:.2f} TB/s), "
-                  f"default {us[label(row_kernel.Launch())]:.1f}, matmul {us.get('matmul', float('nan')):.1f}, "
+                  f"served {us[label(row_kernel.launch_for(shape[0]))]:.1f}, matmul {us.get('matmul', float('nan')):.1f}, "
                   f"gemv {us.get('gemv', float('nan')):.1f}", flush=True)
     return {**record, "settings": vars(args), "launches": [label(launch) for launch in launches],
             "agreement": agreement, "cells": cells}
 
 
 def markdown(result: dict) -> str:
+    from families.lfm2.row_kernel import launch_for
+
     launches = result["launches"]
     lines = [markdown_line(result), "",
              "Device time per product (CUPTI), median over turns, and the weight read per second; "
-             "'best' is the fastest launch for the shape, '8w x1' the launch served before these were measured.", ""]
+             "'best' is the fastest launch for the shape, 'served' what `launch_for` picks, "
+             "'8w x1' the launch served before these were measured.", ""]
     by_rows = collections.defaultdict(list)
     for cell in result["cells"]:
         by_rows[cell["rows"]].append(cell)
     for rows, cells in by_rows.items():
         lines += [f"### {rows} rows", "",
-                  "| weight | per step | best launch | best us (TB/s) | 8w x1 us (TB/s) | matmul us (TB/s) | one-row GEMV us (TB/s) |",
-                  "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+                  "| weight | per step | best launch | best us (TB/s) | served | served us (TB/s) | 8w x1 us (TB/s) "
+                  "| matmul us (TB/s) | one-row GEMV us (TB/s) |",
+                  "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
         step = collections.Counter()
         for cell in cells:
             us, tb = cell["us"], cell["tb_s"]
             best = min(launches, key=lambda key: us.get(key, float("inf")))
+            served = label(launch_for(cell["shape"][0]))
             lines.append(f"| {cell['shape'][0]} x {cell['shape'][1]} | {cell['count']} | {best} | {us[best]:.1f} ({tb[best]:.2f}) | "
+                         f"{served} | {us[served]:.1f} ({tb[served]:.2f}) | "
                          f"{us['8w x1']:.1f} ({tb['8w x1']:.2f}) | {us['matmul']:.1f} ({tb['matmul']:.2f}) | "
                          f"{us['gemv']:.1f} ({tb['gemv']:.2f}) |")
             for key in [*launches, "matmul", "gemv"]:
                 step[key] += us[key] * cell["count"]
             step["best per shape"] += us[best] * cell["count"]
+            step["served"] += us[served] * cell["count"]
         lines += ["", "One step's products, ms of device time:", "", "| launch | ms |", "| --- | ---: |"]
         for key, total in sorted(step.items(), key=lambda kv: kv[1]):
             lines.append(f"| {key} | {total / 1e3:.3f} |")

@@ -122,10 +122,21 @@ class Launch:
 LAUNCHES = tuple(Launch(w, d, s) for w in (4, 8, 16, 32) for d in (1, 2, 4) for s in (False, True))
 
 
-def launch_for(n: int, k: int) -> Launch:
-    """The launch for a weight `[n, k]`: a function of the weight alone, so a row's
-    product does not depend on how many rows come with it."""
-    return Launch()
+# Warps in all that a product's launch aims at, about half of what the H200's 132 SMs hold
+# (64 each). Measured per weight shape of the 2.6B step in device time
+# (bench/results/gpu/session18/row-launches-2.6b.md): 2048 columns ran fastest with 16
+# warps a block (4,096 in all), 3072 with 8, 6144 and more with 4; two loads in flight and
+# the evict-first hint took another 1-5%.
+WARPS_IN_ALL = 4096
+
+
+def launch_for(n: int) -> Launch:
+    """The launch for a weight of `n` rows (the product's columns): a function of the
+    weight alone, so a row's product does not depend on how many rows come with it."""
+    blocks, warps = -(-n // 8), 16
+    while warps > 4 and blocks * warps > WARPS_IN_ALL:
+        warps //= 2
+    return Launch(warps, depth=2, stream=True)
 
 
 def serves(weight: mx.array) -> bool:
@@ -147,8 +158,8 @@ def rows_times_weight(x: mx.array, weight: mx.array, launch: Launch | None = Non
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
                                       source=_SOURCE, header=MMA_HEADER + _LOAD_HEADER)
-    rows, (n, k) = x.shape[0], weight.shape
-    launch = launch or launch_for(n, k)
+    rows, n = x.shape[0], weight.shape[0]
+    launch = launch or launch_for(n)
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
         template=[("Y", weight.dtype), ("BF16", weight.dtype == mx.bfloat16),
