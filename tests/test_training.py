@@ -503,6 +503,34 @@ def test_widening_the_mlp_keeps_what_the_drafter_computes(drafter_run, target_ru
     assert main([*base, "--out", str(tmp_path / "n"), "--intermediate", "8"]) == 2
 
 
+def test_deepening_keeps_what_the_drafter_computes(drafter_run, target_run, data_dir, tmp_path):
+    target_model, target_cfg = load_model(target_run / "model", dtype="float32")
+    config = json.loads((drafter_run / "model" / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    weights = dict(mx.load(str(drafter_run / "model" / "model.safetensors")))
+    shallow = drafter.build_drafter(config, target_cfg.hidden_size, seed=0)
+    shallow.load_weights(list(weights.items()))
+    deep = drafter.build_drafter({**config, "num_hidden_layers": layers + 2}, target_cfg.hidden_size, seed=1)
+    grown = drafter.deepen(weights, dict(tree_flatten(deep.parameters())))
+    assert mx.abs(grown[f"layers.{layers}.self_attn.q_proj.weight"]).max().item() > 0  # the new layers learn
+    assert mx.abs(grown[f"layers.{layers + 1}.mlp.down_proj.weight"]).max().item() == 0  # and write nothing yet
+    deep.load_weights(list(grown.items()))
+    tokens = mx.array(np.load(data_dir / "eval.npy")[:64].astype(np.int32)[None])
+    anchors = mx.array([[5, 20, 40]], dtype=mx.int32)
+    a, b = (drafter.block_outputs(m, target_model, tokens, anchors) for m in (shallow, deep))
+    np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), atol=1e-5)
+    np.testing.assert_allclose(np.array(a.confidence_logits), np.array(b.confidence_logits), atol=1e-5)
+    # Trained on from there, the new layers write; fewer layers, or deepening a new drafter, is refused.
+    base = ["drafter", "--target", str(target_run / "model"), "--data", str(data_dir), "--anchors", "8", *TINY_RUN]
+    init = ["--init", str(drafter_run / "model")]
+    assert main([*base, *init, "--out", str(tmp_path / "d"), "--steps", "5", "--layers", str(layers + 1)]) == 0
+    exported = mx.load(str(tmp_path / "d" / "model" / "model.safetensors"))
+    assert json.loads((tmp_path / "d" / "model" / "config.json").read_text())["num_hidden_layers"] == layers + 1
+    assert mx.abs(exported[f"layers.{layers}.mlp.down_proj.weight"]).max().item() > 0
+    assert main([*base, *init, "--out", str(tmp_path / "s"), "--layers", str(layers - 1)]) == 2
+    assert main([*base, "--out", str(tmp_path / "n"), "--layers", str(layers + 1)]) == 2
+
+
 def test_generated_rows_with_a_penalty_are_what_the_engine_writes(target_run, data_dir, tmp_path):
     """Greedy with a repetition penalty, the trainer's batched writing (its own penalty
     over each row's prompt and tokens) gives the lane core's tokens for the same prompt

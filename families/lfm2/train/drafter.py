@@ -352,6 +352,16 @@ def widen_mlp(weights: dict[str, mx.array], width: int, wider: int, seed: int, s
     return out
 
 
+def deepen(initial: dict[str, mx.array], fresh: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A drafter's weights `initial` with the layers a deeper build of it adds, taken
+    from that build's weights `fresh`, their residual writers (o_proj, down_proj) at zero:
+    each new layer passes its input through until it learns, so what the drafter computes
+    is unchanged."""
+    added = {name: mx.zeros_like(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
+             for name, w in fresh.items() if name not in initial}
+    return {**initial, **added}
+
+
 # --- export -----------------------------------------------------------------------------
 
 
@@ -391,6 +401,8 @@ def add_parser(sub) -> None:
                                   "and schedule start afresh): more training for a shipped drafter")
     p.add_argument("--intermediate", type=int, help="with --init: widen its MLPs to this many units, new units silent "
                                                     "at first (the initial drafter's outputs are unchanged)")
+    p.add_argument("--layers", type=int, help="with --init: deepen it to this many layers, the new ones after its own and "
+                                              "passing their input through at first (the outputs are unchanged)")
     p.set_defaults(run=run)
 
 
@@ -423,15 +435,21 @@ def run(args) -> dict:
         if mask is None:
             raise ValueError(f"the target tokenizer at {target_dir} has no {MASK_TOKEN} token")
         config = drafter_config(shape_from(args), target_cfg, mask)
-    if args.intermediate and not args.init:
+    if args.intermediate is not None and not args.init:
         raise ValueError("--intermediate widens the MLP of an --init drafter; a new drafter takes its width from --shape")
+    if args.layers is not None and not args.init:
+        raise ValueError("--layers deepens an --init drafter; a new drafter takes its depth from --shape")
+    if args.layers is not None and args.layers < config["num_hidden_layers"]:
+        raise ValueError(f"--layers {args.layers} would drop layers of a drafter of {config['num_hidden_layers']}; it only deepens")
     initial = dict(mx.load(str(Path(args.init) / "model.safetensors"))) if args.init else {}
-    if args.intermediate:
+    if args.intermediate is not None:
         initial = widen_mlp(initial, config["intermediate_size"], args.intermediate, args.seed)
         config = {**config, "intermediate_size": args.intermediate}
+    if args.layers is not None:
+        config = {**config, "num_hidden_layers": args.layers}
     drafter = build_drafter(config, target_cfg.hidden_size, args.seed)
     if args.init:
-        drafter.load_weights(list(initial.items()))
+        drafter.load_weights(list(deepen(initial, dict(tree_flatten(drafter.parameters()))).items()))
         drafter.set_dtype(mx.float32)  # master weights, whatever the file's dtype
         log(f"initial weights from {args.init}")
     cfg = drafter.config
