@@ -97,8 +97,8 @@ def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | N
 # weight (at most 4 MiB: every map of the embedded default), up to the widest verify
 # window (32 rows, `lanes.round.VERIFY_WIDTH_CEILING`), as one matrix-vector product per
 # row, one batched GEMV launch reading the weight once per row from cache; times a larger
-# one, up to 16 rows (where it measured no slower than cuBLASLt, see there), by
-# laneserve's own kernel (`row_kernel`, CUDA only), which reads it once.
+# one, up to 16 rows (the kernel's one tile), by laneserve's own kernel (`row_kernel`,
+# CUDA only), which reads it once.
 ROW_PRODUCT_ROWS = 32
 ROW_PRODUCT_BYTES = 4 * 2**20
 ROW_KERNEL_ROWS = row_kernel.MAX_ROWS

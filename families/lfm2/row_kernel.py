@@ -1,20 +1,25 @@
-"""A few rows times a large weight, `x [M, K] @ w[N, K].T` for 1 <= M <= 32, as one CUDA kernel.
+"""A few rows times a large weight, `x [M, K] @ w[N, K].T` for 1 <= M <= 16, as one CUDA kernel.
 
 MLX 0.32's CUDA backend multiplies more than one row through cuBLASLt and builds the
 GEMM's descriptors and asks its heuristic on every call: host time per matmul that a
 16-lane step or a 9-row verify of a released model's shape pays over a hundred times
 (bench/results/README.md, "The H200 runs"). This kernel is a plain launch. It runs on the
 tensor cores (`mma.sync` m16n8k16, bfloat16 or float16 in, float32 sums): a block owns
-8 columns of the output (8 rows of the weight) for all M rows, padded to one or two tiles
-of 16; its warps take turns along K in chunks of 32, each thread loading 16 bytes of a
-weight row and of two rows of x per chunk, and the warps' partial sums are added in a
-fixed order at the end, so a product never depends on how many rows came with it.
+8 columns of the output (8 rows of the weight) for all M rows, padded to one tile of 16;
+its warps take turns along K in chunks of 32, each thread loading 16 bytes of a weight
+row and of two rows of x per chunk, and the warps' partial sums are added in a fixed
+order at the end, so a product never depends on how many rows came with it.
 
-Measured on the H200 (bench/results/gpu/session13/): a 2.6B step's 121 products take as
-long as with MLX's matmul for 2-16 rows alone (`bench_rows`), and with this kernel the
-engine decodes 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target --cublas`). With
-two tiles, 17-32 rows, it ran 0.64-0.87x MLX's matmul, so serving takes it for up to 16
-rows only (`families.lfm2.model.ROW_KERNEL_ROWS`); `bench_rows` measures it past that.
+How many warps a block has, how many weight loads each thread keeps in flight and
+whether they are loaded evict-first is the launch (`Launch`), a function of the weight's rows
+alone (`launch_for`). Measured one product at a time in device time on the H200
+(`bench.row_launches`, bench/results/gpu/session18/): a 2.6B step's 121 products for 9
+rows take 2.22 ms with `launch_for`'s launches against 2.62 with 8 warps and one load
+for all. MLX's matmul takes 1.74 ms of device time and its one-row GEMV 1.58, so this
+kernel still reads weights slower than both (2.6 TB/s at best, against 4.0 for the GEMV
+on the widest weight); what it saves is cuBLASLt's host time, for which the engine
+decoded 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target --cublas`,
+gpu/session13/).
 
 Inside a chunk the mma's 16 positions of K are mapped onto the thread's contiguous 8
 elements (logical k = 2t + e and 8 + 2t + e, t = lane % 4, are physical 8t + e and
@@ -126,7 +131,7 @@ LAUNCHES = tuple(Launch(w, d, s) for w in (4, 8, 16, 32) for d in (1, 2, 4) for 
 # (64 each). Measured per weight shape of the 2.6B step in device time
 # (bench/results/gpu/session18/row-launches-2.6b.md): 2048 columns ran fastest with 16
 # warps a block (4,096 in all), 3072 with 8, 6144 and more with 4; two loads in flight and
-# the evict-first hint took another 1-5%.
+# the evict-first hint took another 3-6% off the step's products.
 WARPS_IN_ALL = 4096
 
 
