@@ -6,8 +6,10 @@
 Loads the target as served (projections merged) and takes every unquantized linear map
 of it, in layer order, and the tied head: one step's products. For each row count M, a
 pass multiplies M random rows by every one of those weights and evaluates them
-together, as a step would, either as `x @ w.T` (MLX: cuBLASLt for M > 1) or by
-`families.lfm2.row_kernel` (CUDA only). The two alternate `--turns` times, each turn
+together, either as `x @ w.T` (MLX: cuBLASLt for M > 1) or by
+`families.lfm2.row_kernel` (CUDA only): host time and device time together. The
+products of a pass do not depend on each other, as a step's do, so the GPU may run
+several side by side; what one product costs the device alone is `bench.row_launches`'. The two alternate `--turns` times, each turn
 repeating passes for `--seconds`; reported per M: each one's median milliseconds per
 pass with min and max, and the median, min and max of the per-turn ratio. One row, which
 MLX serves by its own GEMV, is measured as matmul alone for scale. Before timing, each
