@@ -29,6 +29,7 @@ x and for the weight leaves each dot product unchanged and lets every load be on
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -135,6 +136,7 @@ LAUNCHES = tuple(Launch(w, d, s) for w in (4, 8, 16, 32) for d in (1, 2, 4) for 
 WARPS_IN_ALL = 4096
 
 
+@functools.cache  # asked for every product of every step, of a few weight shapes
 def launch_for(n: int) -> Launch:
     """The launch for a weight of `n` rows (the product's columns): a function of the
     weight alone, so a row's product does not depend on how many rows come with it."""
