@@ -28,19 +28,20 @@ import statistics
 
 from bench.provenance import markdown_line, provenance, write_result
 
-LAUNCH_NAME = re.compile(r"rows_times_weight_\w*?_(\d+)_(\d+)_([tf])\(")
+LAUNCH_NAME = re.compile(r"rows_times_weight_\w*?_(\d+)_(\d+)_(\d+)_([tf])\(")
 
 
 def launch_of(kernel_name: str):
-    """The row kernel's launch from its kernel's name (…_WARPS_DEPTH_STREAM), or None."""
+    """The row kernel's launch from its kernel's name (…_WARPS_DEPTH_TILES_ADJACENT), or None."""
     from families.lfm2.row_kernel import Launch
 
     found = LAUNCH_NAME.search(kernel_name)
-    return Launch(int(found[1]), int(found[2]), found[3] == "t") if found else None
+    return Launch(int(found[1]), int(found[2]), int(found[3]), found[4] == "t") if found else None
 
 
 def label(launch) -> str:
-    return f"{launch.warps}w x{launch.depth}{' stream' if launch.stream else ''}"
+    """E.g. '16w x2 t2 adj': 16 warps, 2 loads in flight, 2 tiles, a warp's loads side by side."""
+    return f"{launch.warps}w x{launch.depth}{f' t{launch.tiles}' if launch.tiles > 1 else ''}{' adj' if launch.adjacent else ''}"
 
 
 def device_times(profile_fn) -> dict[str, float]:
@@ -133,16 +134,16 @@ def markdown(result: dict) -> str:
     launches = result["launches"]
     lines = [markdown_line(result), "",
              "Device time per product (CUPTI), median over turns, and the weight read per second; "
-             "'best' is the fastest launch for the shape, 'served' what `launch_for` picks, "
-             "'8w x1' the launch served before these were measured.", ""]
+             "'best' is the fastest launch for the shape, 'served' what `launch_for` picks "
+             "(launches: `row_kernel.Launch`, labelled warps, loads in flight, tiles, 'adj' for a warp's loads side by side).", ""]
     by_rows = collections.defaultdict(list)
     for cell in result["cells"]:
         by_rows[cell["rows"]].append(cell)
     for rows, cells in by_rows.items():
         lines += [f"### {rows} rows", "",
-                  "| weight | per step | best launch | best us (TB/s) | served | served us (TB/s) | 8w x1 us (TB/s) "
+                  "| weight | per step | best launch | best us (TB/s) | served | served us (TB/s) "
                   "| matmul us (TB/s) | one-row GEMV us (TB/s) |",
-                  "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+                  "| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
         step = collections.Counter()
         for cell in cells:
             us, tb = cell["us"], cell["tb_s"]
@@ -150,7 +151,7 @@ def markdown(result: dict) -> str:
             served = label(launch_for(cell["shape"][0]))
             lines.append(f"| {cell['shape'][0]} x {cell['shape'][1]} | {cell['count']} | {best} | {us[best]:.1f} ({tb[best]:.2f}) | "
                          f"{served} | {us[served]:.1f} ({tb[served]:.2f}) | "
-                         f"{us['8w x1']:.1f} ({tb['8w x1']:.2f}) | {us['matmul']:.1f} ({tb['matmul']:.2f}) | "
+                         f"{us['matmul']:.1f} ({tb['matmul']:.2f}) | "
                          f"{us['gemv']:.1f} ({tb['gemv']:.2f}) |")
             for key in [*launches, "matmul", "gemv"]:
                 step[key] += us[key] * cell["count"]

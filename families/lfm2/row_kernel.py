@@ -5,21 +5,21 @@ GEMM's descriptors and asks its heuristic on every call: host time per matmul th
 16-lane step or a 9-row verify of a released model's shape pays over a hundred times
 (bench/results/README.md, "The H200 runs"). This kernel is a plain launch. It runs on the
 tensor cores (`mma.sync` m16n8k16, bfloat16 or float16 in, float32 sums): a block owns
-8 columns of the output (8 rows of the weight) for all M rows, padded to one tile of 16;
-its warps take turns along K in chunks of 32, each thread loading 16 bytes of a weight
-row and of two rows of x per chunk, and the warps' partial sums are added in a fixed
-order at the end, so a product never depends on how many rows came with it.
+8 columns of the output (8 rows of the weight) per tile for all M rows, padded to one
+tile of 16 rows; its warps take turns along K in chunks of 32, each thread loading 16
+bytes of a weight row and of two rows of x per chunk, and the warps' partial sums are
+added in a fixed order at the end, so a product never depends on how many rows came with it.
 
-How many warps a block has, how many weight loads each thread keeps in flight and
-whether they are loaded evict-first is the launch (`Launch`), a function of the weight's rows
-alone (`launch_for`). Measured one product at a time in device time on the H200
-(`bench.row_launches`, bench/results/gpu/session18/): a 2.6B step's 121 products for 9
-rows take 2.22 ms with `launch_for`'s launches against 2.62 with 8 warps and one load
-for all. MLX's matmul takes 1.74 ms of device time and its one-row GEMV 1.58, so this
-kernel still reads weights slower than both (2.6 TB/s at best, against 4.0 for the GEMV
-on the widest weight); what it saves is cuBLASLt's host time, for which the engine
-decoded 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target --cublas`,
-gpu/session13/).
+How many warps a block has, how many weight loads each thread keeps in flight, how many
+tiles of 8 weight rows a block owns and where a warp's loads lie along K is the launch
+(`Launch`), a function of the weight's rows alone (`launch_for`). Measured one product at
+a time in device time on the H200 (`bench.row_launches`, bench/results/gpu/session18/):
+a 2.6B step's 121 products for 9 rows take 2.22 ms with `launch_for`'s launches against
+2.62 with 8 warps and one load for all. MLX's matmul takes 1.74 ms of device time and its
+one-row GEMV 1.58, so this kernel still reads weights slower than both (2.6 TB/s at best,
+against 4.0 for the GEMV on the widest weight); what it saves is cuBLASLt's host time,
+for which the engine decoded 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target
+--cublas`, gpu/session13/).
 
 Inside a chunk the mma's 16 positions of K are mapped onto the thread's contiguous 8
 elements (logical k = 2t + e and 8 + 2t + e, t = lane % 4, are physical 8t + e and
@@ -62,70 +62,80 @@ __device__ __forceinline__ void chunk(float* c, const uint4& lo, const uint4& hi
 }
 """
 
-# Template constants: BF16, Y (the output type), and the launch (`Launch`): WARPS, DEPTH, STREAM.
+# Template constants: BF16, Y (the output type), and the launch (`Launch`): WARPS, DEPTH,
+# TILES, ADJACENT. A weight is read once, so it is loaded evict-first (`__ldcs`), leaving
+# the cache to the rows of x that every block reads.
 _SOURCE = """
-    __shared__ float partial[WARPS][4][32];
+    __shared__ float partial[WARPS][TILES][4][32];
     const int m_rows = x_shape[0], k_len = x_shape[1], n_len = w_shape[0];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int n = blockIdx.x * 8 + g;  // the weight row this thread loads
+    const int n0 = blockIdx.x * 8 * TILES + g;  // the weight row this thread loads for tile 0; tile i's is n0 + 8i
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // A block covers WARPS * 32 elements of K a chunk. Each thread loads its weight for
-    // DEPTH chunks before multiplying any, so that many loads are in flight; the chunks
-    // are still summed in order of K.
-    #pragma unroll 4
-    for (int base = (warp * 4 + t) * 8; base - t * 8 < k_len; base += WARPS * 32 * DEPTH) {
-        uint4 wv[DEPTH];
+    float acc[TILES][4] = {};
+    // A block covers WARPS * DEPTH chunks of 32 elements of K an iteration. A warp's DEPTH
+    // chunks lie side by side (ADJACENT: a run of 64 * DEPTH bytes of each weight row) or
+    // WARPS chunks apart. Each thread loads its weights for all of them before multiplying
+    // any, so that many loads are in flight; the chunks are still summed in order of K.
+    const int first = (ADJACENT ? warp * DEPTH : warp) * 32, apart = ADJACENT ? 32 : WARPS * 32;
+    #pragma unroll 2
+    for (int start = first; start < k_len; start += WARPS * DEPTH * 32) {
+        uint4 wv[DEPTH][TILES];
         #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
-            const int k = base + d * WARPS * 32;
-            wv[d] = (k < k_len && n < n_len) ? load_weight<STREAM>(w + (size_t)n * k_len + k) : zero;
+            const int k = start + d * apart + t * 8;
+            #pragma unroll
+            for (int i = 0; i < TILES; ++i) {
+                const int n = n0 + 8 * i;
+                wv[d][i] = (k < k_len && n < n_len) ? __ldcs(reinterpret_cast<const uint4*>(w + (size_t)n * k_len + k)) : zero;
+            }
         }
         #pragma unroll
         for (int d = 0; d < DEPTH; ++d) {
-            const int k = base + d * WARPS * 32;
+            const int k = start + d * apart + t * 8;
             const bool in_k = k < k_len;
             const uint4 lo = (in_k && g < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)g * k_len + k) : zero;
             const uint4 hi = (in_k && g + 8 < m_rows) ? *reinterpret_cast<const uint4*>(x + (size_t)(g + 8) * k_len + k) : zero;
-            chunk<BF16>(acc, lo, hi, wv[d]);
+            // One load of x serves every tile: TILES weight tiles per load of a row of x.
+            #pragma unroll
+            for (int i = 0; i < TILES; ++i) chunk<BF16>(acc[i], lo, hi, wv[d][i]);
         }
     }
     #pragma unroll
-    for (int j = 0; j < 4; ++j) partial[warp][j][lane] = acc[j];
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) partial[warp][i][j][lane] = acc[i][j];
     __syncthreads();
     if (warp != 0) return;
     #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        float sum = 0.0f;
-        for (int v = 0; v < WARPS; ++v) sum += partial[v][j][lane];
-        // c0, c1: row g, columns 2t and 2t + 1 of the block's 8; c2, c3: row g + 8.
-        const int row = g + (j >= 2 ? 8 : 0), col = blockIdx.x * 8 + 2 * t + (j & 1);
-        if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
-    }
-"""
-
-# A weight is read once: STREAM loads it with the evict-first hint, leaving the cache to
-# the rows of x that every block reads.
-_LOAD_HEADER = """
-template <bool STREAM, typename T>
-__device__ __forceinline__ uint4 load_weight(const T* p) {
-    if (STREAM) return __ldcs(reinterpret_cast<const uint4*>(p));
-    return *reinterpret_cast<const uint4*>(p);
-}
+    for (int i = 0; i < TILES; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float sum = 0.0f;
+            for (int v = 0; v < WARPS; ++v) sum += partial[v][i][j][lane];
+            // c0, c1: row g, columns 2t and 2t + 1 of the tile's 8; c2, c3: row g + 8.
+            const int row = g + (j >= 2 ? 8 : 0), col = blockIdx.x * 8 * TILES + 8 * i + 2 * t + (j & 1);
+            if (row < m_rows && col < n_len) y[(size_t)row * n_len + col] = static_cast<Y>(sum);
+        }
 """
 
 
 @dataclass(frozen=True)
 class Launch:
     """How the kernel is launched for a weight: warps per block (along K), weight loads in
-    flight per thread, and whether weights are loaded with the evict-first hint."""
+    flight per thread, tiles of 8 weight rows per block (each load of x serves them all),
+    and whether a warp's loads lie side by side along K (ADJACENT) or a block's width apart."""
 
     warps: int = WARPS
     depth: int = 1
-    stream: bool = False
+    tiles: int = 1
+    adjacent: bool = False
 
 
-LAUNCHES = tuple(Launch(w, d, s) for w in (4, 8, 16, 32) for d in (1, 2, 4) for s in (False, True))
+# What `bench.row_launches` measures. At most 4 loads in flight per thread, and not 32
+# warps with 4 (more registers than such a block may have).
+LAUNCHES = tuple(Launch(w, d, i, a) for w in (4, 8, 16, 32)
+                 for d, i, a in ((1, 1, False), (2, 1, False), (2, 1, True), (4, 1, True), (1, 2, False), (2, 2, False), (2, 2, True))
+                 if w * d * i <= 64)
 
 
 # Warps in all that a product's launch aims at, about half of what the H200's 132 SMs hold
@@ -143,7 +153,7 @@ def launch_for(n: int) -> Launch:
     blocks, warps = -(-n // 8), 16
     while warps > 4 and blocks * warps > WARPS_IN_ALL:
         warps //= 2
-    return Launch(warps, depth=2, stream=True)
+    return Launch(warps, depth=2)
 
 
 def serves(weight: mx.array) -> bool:
@@ -164,13 +174,14 @@ def rows_times_weight(x: mx.array, weight: mx.array, launch: Launch | None = Non
         raise ValueError(f"the row kernel multiplies 1 to {MAX_ROWS} rows, not {x.shape[0]}")
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
-                                      source=_SOURCE, header=MMA_HEADER + _LOAD_HEADER)
+                                      source=_SOURCE, header=MMA_HEADER)
     rows, n = x.shape[0], weight.shape[0]
     launch = launch or launch_for(n)
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
         template=[("Y", weight.dtype), ("BF16", weight.dtype == mx.bfloat16),
-                  ("WARPS", launch.warps), ("DEPTH", launch.depth), ("STREAM", launch.stream)],
-        grid=(-(-n // 8) * launch.warps * 32, 1, 1), threadgroup=(launch.warps * 32, 1, 1),
+                  ("WARPS", launch.warps), ("DEPTH", launch.depth),
+                  ("TILES", launch.tiles), ("ADJACENT", launch.adjacent)],
+        grid=(-(-n // (8 * launch.tiles)) * launch.warps * 32, 1, 1), threadgroup=(launch.warps * 32, 1, 1),
         output_shapes=[(rows, n)], output_dtypes=[weight.dtype])
     return y
