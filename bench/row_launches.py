@@ -122,7 +122,7 @@ def run(args) -> dict:
                           "us": us, "us_turns": dict(per_turn), "tb_s": {key: nbytes / v / 1e6 for key, v in us.items()}})
             best = min((key for key in us if key not in ("gemv", "matmul")), key=us.get)
             print(f"rows {rows} {shape} x{len(group)}: best {best} {us[best]:.1f} us ({cells[-1]['tb_s'][best]:.2f} TB/s), "
-                  f"served {us[label(row_kernel.launch_for(shape[0]))]:.1f}, matmul {us.get('matmul', float('nan')):.1f}, "
+                  f"served {us[label(row_kernel.launch_for(*shape))]:.1f}, matmul {us.get('matmul', float('nan')):.1f}, "
                   f"gemv {us.get('gemv', float('nan')):.1f}", flush=True)
     return {**record, "settings": vars(args), "launches": [label(launch) for launch in launches],
             "agreement": agreement, "cells": cells}
@@ -148,7 +148,7 @@ def markdown(result: dict) -> str:
         for cell in cells:
             us, tb = cell["us"], cell["tb_s"]
             best = min(launches, key=lambda key: us.get(key, float("inf")))
-            served = label(launch_for(cell["shape"][0]))
+            served = label(launch_for(*cell["shape"]))
             lines.append(f"| {cell['shape'][0]} x {cell['shape'][1]} | {cell['count']} | {best} | {us[best]:.1f} ({tb[best]:.2f}) | "
                          f"{served} | {us[served]:.1f} ({tb[served]:.2f}) | "
                          f"{us['matmul']:.1f} ({tb['matmul']:.2f}) | "

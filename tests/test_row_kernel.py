@@ -59,9 +59,12 @@ def test_every_launch_gives_the_products_and_a_row_whatever_rows_come_with_it(on
 
 def test_a_weights_launch_depends_on_the_weight_alone():
     # so a row's product is the same in a step, a verify and a prompt chunk
-    assert list(inspect.signature(row_kernel.launch_for).parameters) == ["n"]
-    assert [row_kernel.launch_for(n).warps for n in (7, 2048, 3072, 6144, 21504, 128000)] == [16, 16, 8, 4, 4, 4]
-    assert all(row_kernel.launch_for(n) in row_kernel.LAUNCHES for n in (7, 2048, 6144))
+    assert list(inspect.signature(row_kernel.launch_for).parameters) == ["n", "k"]
+    shapes = ((7, 64), (2048, 2048), (2048, 10752), (3072, 2048), (6144, 2048), (21504, 2048), (128000, 2048))
+    launches = [row_kernel.launch_for(n, k) for n, k in shapes]
+    assert [launch.warps for launch in launches] == [16, 16, 16, 16, 8, 4, 4]
+    assert [launch.adjacent for launch in launches] == [False, False, True, False, False, False, False]
+    assert all(launch in row_kernel.LAUNCHES for launch in launches)
 
 
 @needs_cuda

@@ -12,10 +12,10 @@ added in a fixed order at the end, so a product never depends on how many rows c
 
 How many warps a block has, how many weight loads each thread keeps in flight, how many
 tiles of 8 weight rows a block owns and where a warp's loads lie along K is the launch
-(`Launch`), a function of the weight's rows alone (`launch_for`). Measured one product at
-a time in device time on the H200 (`bench.row_launches`, bench/results/gpu/session18/):
-a 2.6B step's 121 products for 9 rows take 2.22 ms with `launch_for`'s launches against
-2.62 with 8 warps and one load for all. MLX's matmul takes 1.74 ms of device time and its
+(`Launch`), a function of the weight's shape alone (`launch_for`). Measured one product at
+a time in device time on the H200 (`bench.row_launches`, bench/results/gpu/session19/):
+a 2.6B step's 121 products for 9 rows take 1.98 ms with session 18's rule, against 1.84
+with the fastest launch for each shape, from which `launch_for`'s rule was drawn. MLX's matmul takes 1.74 ms of device time and its
 one-row GEMV 1.58, so this kernel still reads weights slower than both (2.6 TB/s at best,
 against 4.0 for the GEMV on the widest weight); what it saves is cuBLASLt's host time,
 for which the engine decoded 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target
@@ -138,22 +138,26 @@ LAUNCHES = tuple(Launch(w, d, i, a) for w in (4, 8, 16, 32)
                  if w * d * i <= 64)
 
 
-# Warps in all that a product's launch aims at, about half of what the H200's 132 SMs hold
-# (64 each). Measured per weight shape of the 2.6B step in device time
-# (bench/results/gpu/session18/row-launches-2.6b.md): 2048 columns ran fastest with 16
-# warps a block (4,096 in all), 3072 with 8, 6144 and more with 4; two loads in flight and
-# the evict-first hint took another 3-6% off the step's products.
-WARPS_IN_ALL = 4096
+# Warps in all that a product's launch aims at, about 70% of what the H200's 132 SMs hold
+# (64 each), and the length of a weight row from which a warp's loads lie side by side.
+# Measured per weight shape of the 2.6B step in device time (bench/results/gpu/session19/
+# row-launches-2.6b.md): 2048 and 3072 columns ran fastest with 16 warps a block (4,096
+# and 6,144 in all), 6144 with 8, wider weights with 4; rows of 10752 with a warp's loads
+# side by side, rows of 2048 (mostly) a block's width apart; two loads in flight and the
+# evict-first hint (session 18) took another 3-6% off the step's products.
+WARPS_IN_ALL = 6144
+ADJACENT_FROM_K = 4096
 
 
 @functools.cache  # asked for every product of every step, of a few weight shapes
-def launch_for(n: int) -> Launch:
-    """The launch for a weight of `n` rows (the product's columns): a function of the
-    weight alone, so a row's product does not depend on how many rows come with it."""
+def launch_for(n: int, k: int) -> Launch:
+    """The launch for a weight of `n` rows of `k` (the product's columns and its inner
+    length): a function of the weight alone, so a row's product does not depend on how
+    many rows come with it."""
     blocks, warps = -(-n // 8), 16
     while warps > 4 and blocks * warps > WARPS_IN_ALL:
         warps //= 2
-    return Launch(warps, depth=2)
+    return Launch(warps, depth=2, adjacent=k >= ADJACENT_FROM_K)
 
 
 def serves(weight: mx.array) -> bool:
@@ -176,7 +180,7 @@ def rows_times_weight(x: mx.array, weight: mx.array, launch: Launch | None = Non
         _kernel = mx.fast.cuda_kernel(name="laneserve_rows_times_weight", input_names=["x", "w"], output_names=["y"],
                                       source=_SOURCE, header=MMA_HEADER)
     rows, n = x.shape[0], weight.shape[0]
-    launch = launch or launch_for(n)
+    launch = launch or launch_for(*weight.shape)
     (y,) = _kernel(
         inputs=[x.astype(weight.dtype), weight],
         template=[("Y", weight.dtype), ("BF16", weight.dtype == mx.bfloat16),
