@@ -68,6 +68,18 @@ def falling_with_context_profile() -> SurvivalProfile:
     return SurvivalProfile(context_points=((4096, 0.88), (131072, 0.39)))
 
 
+def uniform_draws(keys: Sequence[int], count: int) -> np.ndarray:
+    """`count` uniform draws in [0, 1) for each key, a function of the key alone (splitmix64
+    over key + i), for every lane at once: the lane core's drafted rounds are timed, and a
+    seeded generator per lane per round (tens of microseconds each) would charge them host
+    work that no real drafter does."""
+    x = np.array(keys, dtype=np.int64).astype(np.uint64)[:, None] + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 @dataclass
 class ScriptedProposal:
     tokens: mx.array
@@ -154,17 +166,17 @@ class ScriptedDrafter:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.
         real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences)
         g = real.tokens.shape[1]
-        tokens, scores = [], []  # the profile's chances stand for the confidences, cheap to give either way
+        truths, chances, keys = [], [], []  # the profile's chances stand for the confidences, cheap to give either way
         for lane, anchor in zip(lanes, anchors):
             history = self._history[lane.slot]
             n = len(history) + 1  # tokens up to and including the anchor
-            truth = self._continuation(lane.slot, history, anchor, g)
-            chances = self.profile.at(n, g)
-            draws = np.random.default_rng([self.seed, n, *history[-3:], anchor]).random(g)
-            survived = np.cumprod(draws < np.array(chances)).astype(bool)
-            tokens.append([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, survived)])
-            scores.append(chances)
-        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(scores, dtype=mx.float32), real)
+            truths.append(self._continuation(lane.slot, history, anchor, g))
+            chances.append(self.profile.at(n, g))
+            keys.append(hash((self.seed, n, *history[-3:], anchor)))
+        truth = np.array(truths, dtype=np.int64)
+        survived = np.cumprod(uniform_draws(keys, g) < np.array(chances), axis=1).astype(bool)
+        tokens = np.where(survived, truth, (truth + 1) % self.vocab_size)
+        return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(chances, dtype=mx.float32), real)
 
     def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
         """The recorded tokens after history + anchor (token 0 past the recording)."""
