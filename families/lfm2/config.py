@@ -7,6 +7,7 @@ omit a key. A file that contradicts itself or the architecture is refused with a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -152,11 +153,12 @@ class Lfm2Config:
     def is_moe(self) -> bool:
         return self.model_type == "lfm2_moe"
 
-    @property
+    # Cached: read several times for every layer of every forward (host time on the hot path).
+    @functools.cached_property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "full_attention")
 
-    @property
+    @functools.cached_property
     def conv_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k == "conv")
 
