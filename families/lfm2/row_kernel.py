@@ -13,13 +13,14 @@ added in a fixed order at the end, so a product never depends on how many rows c
 How many warps a block has, how many weight loads each thread keeps in flight, how many
 tiles of 8 weight rows a block owns and where a warp's loads lie along K is the launch
 (`Launch`), a function of the weight's shape alone (`launch_for`). Measured one product at
-a time in device time on the H200 (`bench.row_launches`, bench/results/gpu/session19/):
-a 2.6B step's 121 products for 9 rows take 1.98 ms with session 18's rule, against 1.84
-with the fastest launch for each shape, from which `launch_for`'s rule was drawn. MLX's matmul takes 1.74 ms of device time and its
-one-row GEMV 1.58, so this kernel still reads weights slower than both (2.6 TB/s at best,
-against 4.0 for the GEMV on the widest weight); what it saves is cuBLASLt's host time,
-for which the engine decoded 1.34x and 1.15x faster at 8 and 16 lanes (`bench_target
---cublas`, gpu/session13/).
+a time in device time on the H200 (`bench.row_launches`, bench/results/gpu/session20/):
+a 2.6B step's 121 products for 9 rows take 1.85 ms with `launch_for`'s launches, against
+1.98 with session 18's rule and 1.84 with the fastest launch for each shape. MLX's matmul
+takes 1.74 ms of device time and its one-row GEMV 1.58, so this kernel still reads weights
+slower than both (3.25 TB/s at 9 rows on the 21504 x 2048 gate-and-up weight, against 4.0
+for the GEMV); what it saves is cuBLASLt's host time, for which the engine decoded 1.60x
+and 1.74x faster at 8 and 16 lanes on the 2.6B shape (`bench_target --cublas`,
+gpu/session20/).
 
 Inside a chunk the mma's 16 positions of K are mapped onto the thread's contiguous 8
 elements (logical k = 2t + e and 8 + 2t + e, t = lane % 4, are physical 8t + e and
