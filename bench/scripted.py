@@ -173,8 +173,8 @@ class ScriptedDrafter:
             truths.append(self._continuation(lane.slot, history, anchor, g))
             chances.append(self.profile.at(n, g))
             keys.append(hash((self.seed, n, *history[-3:], anchor)))
-        truth = np.array(truths, dtype=np.int64)
-        survived = np.cumprod(uniform_draws(keys, g) < np.array(chances), axis=1).astype(bool)
+        truth, chances = np.array(truths, dtype=np.int64), np.array(chances)
+        survived = np.cumprod(uniform_draws(keys, g) < chances, axis=1).astype(bool)
         tokens = np.where(survived, truth, (truth + 1) % self.vocab_size)
         return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(chances, dtype=mx.float32), real)
 
