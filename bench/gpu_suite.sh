@@ -33,6 +33,10 @@
 #             fused attention for steady chunks only or for every one -> prompt-reads-2.6b.{json,md}
 #   fuse      cuda_cache_fuse: MLX's graph-cache fuse, bare and with
 #             laneserve's backend defaults                            -> cuda-cache-fuse.{json,md}
+#   settings  backend_settings, 2.6B shape, published drafter shape:
+#             the engine's plain and drafted rounds at 1 and 16 streams
+#             under MLX's CUDA graph settings (graphs off, 200 and 40
+#             operations a graph), each in its own process, in turns  -> backend-settings.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name (CUPTI
 #             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
@@ -46,7 +50,7 @@
 # machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
 # does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|kernels"
+usage="usage: BENCH_COMMIT=<commit> gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|settings|kernels"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -132,6 +136,10 @@ prompts)
   ;;
 fuse)
   step python -m bench.cuda_cache_fuse --out "$out"
+  ;;
+settings)
+  checkpoints_2_6b
+  step python -m bench.backend_settings --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out"
   ;;
 kernels)
   checkpoints_2_6b

@@ -1,0 +1,253 @@
+"""The engine's rounds under several settings of MLX's backend, side by side: each
+setting in a process of its own, the processes taking turns on the same machine.
+
+    python -m bench.backend_settings --model DIR --drafter DIR --out DIR
+        [--settings 'default;MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=200'] [--streams 1,16]
+        [--gen-tokens 1024] [--alternations 5] [--name backend-settings]
+
+MLX's CUDA backend reads its settings from the environment once, when it first runs, so
+one process cannot try two of them. On the H200 every round is bound by the host's time
+per operation (DESIGN.md, bench/results/README.md), and much of that time is how the
+backend hands kernels to the device: it records them into CUDA graphs of up to
+`MLX_MAX_OPS_PER_BUFFER` operations (100 on Hopper), then updates a cached executable of
+the same topology and launches it. CUPTI counts of the engine's rounds put
+cudaGraphLaunch and cudaGraphExecUpdate at about half of the host's CUDA API time
+(`gpu/session16/kernels-dc633b9/`). `MLX_USE_CUDA_GRAPHS=0` launches each kernel
+directly instead; other sizes of graph trade launches against updates.
+
+A setting is `default` (the environment as it is, with families' backend defaults) or
+`NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only; the first
+setting is the reference. Every process loads the same checkpoint (the target made
+decisive as in `bench_engine`), records the plain engine's greedy continuation of the
+same prompts, and wraps the drafter in the scripted-acceptance drafter at the published
+profile. Then, for each alternation and each cell (a stream count and an engine, plain
+or drafted), every setting runs the cell once, in an order that rotates from one
+alternation to the next. Each run is `bench_engine.decode_run`: aggregate tokens per
+second while every lane decodes, and the mean round time from the engine's counters.
+Reported per cell and setting: tok/s, mean round ms, the ratio to the reference setting
+run just before or after it in the same alternation, and drafted / plain within the
+setting; medians and [min-max] over alternations. `same tokens` says every run of the
+cell, under every setting, emitted what the reference's first run did (a setting that
+changes which kernels run could change a near-tie; drafted runs must equal plain ones).
+Writes NAME.json and NAME.md under --out, with the command, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench.provenance import markdown_line, provenance, spread, write_result
+
+ENGINES = ("plain", "drafted")
+
+
+def parse_setting(text: str) -> dict[str, str]:
+    """`default` -> {}; `A=1,B=2` -> {"A": "1", "B": "2"}, names of MLX's variables only."""
+    text = text.strip()
+    if text == "default":
+        return {}
+    setting = {}
+    for part in text.split(","):
+        name, equals, value = part.strip().partition("=")
+        if not equals or not value or not name.startswith("MLX_"):
+            raise ValueError(f"setting {text!r}: each part must be MLX_NAME=VALUE, not {part.strip()!r}")
+        setting[name] = value
+    return setting
+
+
+def tokens_digest(tokens: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def cells(streams: list[int]) -> list[tuple[int, str]]:
+    return [(n, engine) for n in streams for engine in ENGINES]
+
+
+def turn_order(count: int, alternation: int) -> list[int]:
+    """The settings' order in one alternation: rotated by one each time, so that none
+    always runs first (after another setting's run) or last."""
+    return [(alternation + i) % count for i in range(count)]
+
+
+# -- the worker: one setting's process --------------------------------------------------
+
+def serve_cells(args) -> None:
+    """Load, record, build both engines, say `ready`, then run cells asked for on stdin
+    (one JSON line each) and answer on stdout, until stdin closes. Everything else the
+    process prints goes to stderr, so stdout carries the answers alone."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    import numpy as np
+
+    from bench.bench_engine import Setup, decode_run
+    from bench.scripted import published_profile
+
+    began = time.perf_counter()
+    setup = Setup(args, max(args.streams))
+    rng = np.random.default_rng(0)
+    prompts = {n: setup.prompts(rng, n, args.prompt_tokens) for n in args.streams}
+    recorded = {n: decode_run(setup.plain, ps, args.gen_tokens)["tokens"] for n, ps in prompts.items()}
+    engines = {"plain": setup.plain,
+               "drafted": setup.scripted(published_profile(), [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])])}
+    answers.write(json.dumps({"ready": True, "seconds": time.perf_counter() - began,
+                              "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}}) + "\n")
+    for line in iter(sys.stdin.readline, ""):
+        ask = json.loads(line)
+        engine = engines[ask["engine"]]
+        before = engine.rounds.counters.snapshot()["round_seconds"]
+        run = decode_run(engine, prompts[ask["streams"]], args.gen_tokens)
+        after = engine.rounds.counters.snapshot()["round_seconds"]
+        rounds = after["count"] - before["count"]
+        answers.write(json.dumps({
+            "tok_s": run["tok_s"], "seconds": run["seconds"], "digest": tokens_digest(run["tokens"]),
+            "round_ms": 1e3 * (after["sum"] - before["sum"]) / max(rounds, 1), "rounds": rounds,
+        }) + "\n")
+
+
+# -- the parent: settings taking turns --------------------------------------------------
+
+class Worker:
+    """One setting's process and its line protocol."""
+
+    def __init__(self, label: str, setting: dict[str, str], args):
+        self.label = label
+        forwarded = ["--model", args.model, "--drafter", args.drafter, "--streams", ",".join(map(str, args.streams)),
+                     "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
+                     "--decisive", repr(args.decisive), *(["--dtype", args.dtype] if args.dtype else [])]
+        self.process = subprocess.Popen([sys.executable, "-m", "bench.backend_settings", "--worker", *forwarded],
+                                        env={**os.environ, **setting}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"backend_settings: the process for setting {self.label!r} ended "
+                             f"(exit status {self.process.wait()}); its output is above")
+        return json.loads(line)
+
+    def ask(self, streams: int, engine: str) -> dict:
+        self.process.stdin.write(json.dumps({"streams": streams, "engine": engine}) + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def summarize(labels: list[str], streams: list[int], runs: dict) -> dict:
+    """`runs[(n, engine, label)]`: that cell's answers, one per alternation, in order."""
+    reference = labels[0]
+    summary = {}
+    for n, engine in cells(streams):
+        first = runs[(n, "plain", reference)][0]["digest"]
+        same = all(r["digest"] == first for label in labels for e in ENGINES for r in runs[(n, e, label)])
+        row = {"same_tokens": same, "settings": {}}
+        for label in labels:
+            mine = runs[(n, engine, label)]
+            entry = {"tok_s": spread([r["tok_s"] for r in mine]), "round_ms": spread([r["round_ms"] for r in mine]),
+                     "tok_s_runs": [r["tok_s"] for r in mine]}
+            if label != reference:
+                entry["vs_reference"] = spread([r["tok_s"] / ref["tok_s"] for r, ref in zip(mine, runs[(n, engine, reference)])])
+            if engine == "drafted":
+                entry["vs_plain"] = spread([d["tok_s"] / p["tok_s"] for d, p in zip(mine, runs[(n, "plain", label)])])
+            row["settings"][label] = entry
+        summary[f"{n} {engine}"] = row
+    return summary
+
+
+def run(args) -> dict:
+    labels = [text.strip() for text in args.settings.split(";") if text.strip()]
+    settings = {label: parse_setting(label) for label in labels}
+    if len(settings) != len(labels):
+        raise SystemExit(f"backend_settings: a setting is named twice in {args.settings!r}")
+    result = {**provenance(), "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",
+              "decisive": args.decisive, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+              "alternations": args.alternations, "streams": args.streams, "settings": labels, "workers": {}}
+    # The first process alone, so that kernels it compiles and caches on disk are there
+    # before the others start; then the others together.
+    workers = {labels[0]: Worker(labels[0], settings[labels[0]], args)}
+    ready = {labels[0]: workers[labels[0]].answer()}
+    workers.update({label: Worker(label, settings[label], args) for label in labels[1:]})
+    try:
+        ready.update({label: workers[label].answer() for label in labels[1:]})
+        for label in labels:
+            print(f"{label}: ready in {ready[label]['seconds']:.1f} s", flush=True)
+            result["workers"][label] = ready[label]
+        runs = {(n, engine, label): [] for n, engine in cells(args.streams) for label in labels}
+        for alternation in range(args.alternations):
+            for n, engine in cells(args.streams):
+                for i in turn_order(len(labels), alternation):
+                    answer = workers[labels[i]].ask(n, engine)
+                    runs[(n, engine, labels[i])].append(answer)
+                    print(f"alternation {alternation + 1}: {n} streams, {engine}, {labels[i]}: {answer['tok_s']:.1f} tok/s, "
+                          f"rounds of {answer['round_ms']:.2f} ms", flush=True)
+    finally:
+        for worker in workers.values():
+            worker.close()
+    result["cells"] = summarize(labels, args.streams, runs)
+    return result
+
+
+def markdown(result: dict) -> str:
+    reference = result["settings"][0]
+    fmt = lambda s, unit="": f"{s['median']:.2f}{unit} [{s['min']:.2f}-{s['max']:.2f}]"
+    lines = [markdown_line(result),
+             (f"- dtype {result['dtype']}, target made decisive by {result['decisive']:g}; prompts of {result['prompt_tokens']} "
+              f"tokens, {result['gen_tokens']} generated per stream, {result['alternations']} alternations; drafted: scripted "
+              f"acceptance at the published profile. Each setting in its own process; the reference is `{reference}`. "
+              "Medians [min-max] over alternations; ratios are taken within an alternation."),
+             "", "| streams | engine | setting | tok/s | round ms | vs reference | drafted / plain | same tokens |",
+             "|---:|---|---|---:|---:|---:|---:|:---:|"]
+    for key, row in result["cells"].items():
+        n, engine = key.split()
+        for label, entry in row["settings"].items():
+            tok_s = f"{entry['tok_s']['median']:.1f} [{entry['tok_s']['min']:.1f}-{entry['tok_s']['max']:.1f}]"
+            vs_reference = fmt(entry["vs_reference"], "x") if "vs_reference" in entry else "-"
+            vs_plain = fmt(entry["vs_plain"], "x") if "vs_plain" in entry else "-"
+            lines.append(f"| {n} | {engine} | `{label}` | {tok_s} | {fmt(entry['round_ms'])} | {vs_reference} | {vs_plain} | "
+                         f"{row['same_tokens']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--out", help="where NAME.json and NAME.md go (required unless --worker)")
+    p.add_argument("--name", default="backend-settings", help="base name of the result files")
+    p.add_argument("--settings", default="default;MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=200;MLX_MAX_OPS_PER_BUFFER=40",
+                   help="';'-separated settings, the first the reference (see above)")
+    p.add_argument("--streams", type=ints, default=[1, 16])
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--gen-tokens", type=int, default=1024)
+    p.add_argument("--alternations", type=int, default=5)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--decisive", type=float, default=1 / 32, help="as bench_engine's")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if not args.streams or min(args.streams) < 1:
+        p.error("--streams needs stream counts of at least 1")
+    if args.alternations < 1:
+        p.error("--alternations must be at least 1")
+    if args.worker:
+        serve_cells(args)
+        return
+    if not args.out:
+        p.error("--out is required")
+    try:
+        result = run(args)
+    except ValueError as e:
+        p.error(str(e))
+    write_result(args.out, args.name, result, markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""bench.backend_settings: settings parsed by name, turns that rotate, and a run of two
+settings in their own processes whose report compares them cell by cell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.backend_settings import main, parse_setting, summarize, turn_order
+
+
+def test_settings_name_mlx_variables_only():
+    assert parse_setting(" default ") == {}
+    assert parse_setting("MLX_USE_CUDA_GRAPHS=0, MLX_MAX_OPS_PER_BUFFER=200") == {"MLX_USE_CUDA_GRAPHS": "0",
+                                                                                   "MLX_MAX_OPS_PER_BUFFER": "200"}
+    for bad in ("PATH=/tmp", "MLX_USE_CUDA_GRAPHS", "MLX_USE_CUDA_GRAPHS=", "defaults"):
+        with pytest.raises(ValueError, match="MLX_NAME=VALUE"):
+            parse_setting(bad)
+
+
+def test_every_setting_takes_every_place_in_turn():
+    orders = [turn_order(3, a) for a in range(3)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert {order[0] for order in orders} == {0, 1, 2}
+
+
+def test_ratios_pair_runs_of_the_same_alternation():
+    answer = lambda tok_s, digest="a": {"tok_s": tok_s, "round_ms": 1000 / tok_s, "digest": digest}
+    runs = {(1, "plain", "ref"): [answer(100), answer(50)], (1, "plain", "other"): [answer(120), answer(55)],
+            (1, "drafted", "ref"): [answer(200), answer(150)], (1, "drafted", "other"): [answer(180), answer(110)]}
+    cells = summarize(["ref", "other"], [1], runs)
+    other = cells["1 plain"]["settings"]["other"]
+    assert other["vs_reference"]["min"] == pytest.approx(1.1) and other["vs_reference"]["max"] == pytest.approx(1.2)
+    assert "vs_reference" not in cells["1 plain"]["settings"]["ref"]
+    drafted = cells["1 drafted"]["settings"]["other"]
+    assert drafted["vs_plain"]["min"] == pytest.approx(1.5) and drafted["vs_plain"]["max"] == pytest.approx(2.0)
+    assert cells["1 drafted"]["same_tokens"]
+    runs[(1, "drafted", "other")][1] = answer(110, digest="b")
+    assert not summarize(["ref", "other"], [1], runs)["1 plain"]["same_tokens"]
+
+
+def test_two_settings_side_by_side(dense_dir, drafter_dir, tmp_path):
+    main(["--model", str(dense_dir), "--drafter", str(drafter_dir), "--out", str(tmp_path), "--dtype", "float32",
+          "--settings", "default;MLX_MAX_OPS_PER_BUFFER=50", "--streams", "1,2", "--gen-tokens", "12", "--alternations", "2"])
+    result = json.loads((tmp_path / "backend-settings.json").read_text())
+    assert result["workers"]["MLX_MAX_OPS_PER_BUFFER=50"]["settings"]["MLX_MAX_OPS_PER_BUFFER"] == "50"
+    assert "MLX_MAX_OPS_PER_BUFFER" not in result["workers"]["default"]["settings"]
+    assert set(result["cells"]) == {"1 plain", "1 drafted", "2 plain", "2 drafted"}
+    for row in result["cells"].values():
+        assert row["same_tokens"]  # the CPU ignores these settings: every run emits the same tokens
+        assert [len(entry["tok_s_runs"]) for entry in row["settings"].values()] == [2, 2]
+    assert "| 2 | drafted | `MLX_MAX_OPS_PER_BUFFER=50` |" in (tmp_path / "backend-settings.md").read_text()
+
+
+def test_a_bad_setting_is_refused_by_name(dense_dir, drafter_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model", str(dense_dir), "--drafter", str(drafter_dir), "--out", str(tmp_path), "--settings", "default;CUDA=1"])
+    assert stopped.value.code == 2 and "must be MLX_NAME=VALUE, not 'CUDA=1'" in capsys.readouterr().err
