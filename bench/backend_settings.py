@@ -24,12 +24,15 @@ profile. Then, for each alternation and each cell (a stream count and an engine,
 or drafted), every setting runs the cell once, in an order that rotates from one
 alternation to the next. Each run is `bench_engine.decode_run`: aggregate tokens per
 second while every lane decodes, and the mean round time from the engine's counters.
-Reported per cell and setting: tok/s, mean round ms, the ratio to the reference setting
-run just before or after it in the same alternation, and drafted / plain within the
-setting; medians and [min-max] over alternations. `same tokens` says every run of the
-cell, under every setting, emitted what the reference's first run did (a setting that
-changes which kernels run could change a near-tie; drafted runs must equal plain ones).
-Writes NAME.json and NAME.md under --out, with the command, commit and machine.
+Reported per cell and setting: tok/s, mean round ms, the ratio to the reference's run
+of the same cell in the same alternation, and drafted / plain within the setting;
+medians and [min-max] over alternations. `same tokens` says every run at that stream
+count, plain and drafted, under every setting, emitted what the reference's first plain
+run did (a setting that changes which kernels run could move a near-tie; drafted runs
+must equal plain ones). NAME.json and NAME.md (under --out, with the command, commit and
+machine) are written after every alternation, so a run cut short keeps what it finished;
+a setting whose process ends is named with its exit status and left out from then on,
+and the command then exits non-zero.
 """
 
 from __future__ import annotations
@@ -123,20 +126,27 @@ class Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "bench.backend_settings", "--worker", *forwarded],
                                         env={**os.environ, **setting}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def answer(self) -> dict:
+    def answer(self) -> dict | None:
+        """The process's next answer; None once it has ended (its output went to stderr)."""
         line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"backend_settings: the process for setting {self.label!r} ended "
-                             f"(exit status {self.process.wait()}); its output is above")
-        return json.loads(line)
+        return json.loads(line) if line else None
 
-    def ask(self, streams: int, engine: str) -> dict:
-        self.process.stdin.write(json.dumps({"streams": streams, "engine": engine}) + "\n")
-        self.process.stdin.flush()
+    def ask(self, streams: int, engine: str) -> dict | None:
+        try:
+            self.process.stdin.write(json.dumps({"streams": streams, "engine": engine}) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            return None
         return self.answer()
 
+    def ended(self, doing: str) -> str:
+        return f"its process ended with exit status {self.process.wait()} {doing}; its output is above"
+
     def close(self) -> None:
-        self.process.stdin.close()
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass
         self.process.wait()
 
 
@@ -161,36 +171,57 @@ def summarize(labels: list[str], streams: list[int], runs: dict) -> dict:
     return summary
 
 
-def run(args) -> dict:
+def run(args, saved=lambda result: None) -> dict:
+    """Every setting's cells, alternation after alternation; `saved(result)` after each,
+    so a run cut short keeps its finished alternations. A setting whose process ends is
+    reported under `failed` and left out from then on (all of it, if it is the reference)."""
     labels = [text.strip() for text in args.settings.split(";") if text.strip()]
     settings = {label: parse_setting(label) for label in labels}
     if len(settings) != len(labels):
-        raise SystemExit(f"backend_settings: a setting is named twice in {args.settings!r}")
+        raise ValueError(f"a setting is named twice in {args.settings!r}")
     result = {**provenance(), "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",
               "decisive": args.decisive, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-              "alternations": args.alternations, "streams": args.streams, "settings": labels, "workers": {}}
-    # The first process alone, so that kernels it compiles and caches on disk are there
+              "alternations": args.alternations, "streams": args.streams, "settings": labels, "workers": {},
+              "failed": {}, "alternations_done": 0, "cells": {}}
+    # The first process alone, so that whatever it compiles and caches on disk is there
     # before the others start; then the others together.
     workers = {labels[0]: Worker(labels[0], settings[labels[0]], args)}
     ready = {labels[0]: workers[labels[0]].answer()}
     workers.update({label: Worker(label, settings[label], args) for label in labels[1:]})
+    live = []
     try:
-        ready.update({label: workers[label].answer() for label in labels[1:]})
         for label in labels:
-            print(f"{label}: ready in {ready[label]['seconds']:.1f} s", flush=True)
-            result["workers"][label] = ready[label]
+            answer = ready.get(label) or workers[label].answer()
+            if answer is None:
+                result["failed"][label] = workers[label].ended("while loading")
+                continue
+            print(f"{label}: ready in {answer['seconds']:.1f} s", flush=True)
+            result["workers"][label] = answer
+            live.append(label)
         runs = {(n, engine, label): [] for n, engine in cells(args.streams) for label in labels}
         for alternation in range(args.alternations):
+            if not live or live[0] != labels[0]:
+                break  # the reference is gone: nothing left to compare with
             for n, engine in cells(args.streams):
-                for i in turn_order(len(labels), alternation):
-                    answer = workers[labels[i]].ask(n, engine)
-                    runs[(n, engine, labels[i])].append(answer)
-                    print(f"alternation {alternation + 1}: {n} streams, {engine}, {labels[i]}: {answer['tok_s']:.1f} tok/s, "
+                for label in (live[i] for i in turn_order(len(live), alternation)):
+                    if label in result["failed"]:
+                        continue
+                    answer = workers[label].ask(n, engine)
+                    if answer is None:
+                        result["failed"][label] = workers[label].ended(f"in alternation {alternation + 1} ({n} streams, {engine})")
+                        continue
+                    runs[(n, engine, label)].append(answer)
+                    print(f"alternation {alternation + 1}: {n} streams, {engine}, {label}: {answer['tok_s']:.1f} tok/s, "
                           f"rounds of {answer['round_ms']:.2f} ms", flush=True)
+            live = [label for label in live if label not in result["failed"]]
+            if live and live[0] == labels[0]:
+                result["alternations_done"] = alternation + 1
+                result["cells"] = summarize(live, args.streams, runs)
+            saved(result)
     finally:
         for worker in workers.values():
             worker.close()
-    result["cells"] = summarize(labels, args.streams, runs)
+    saved(result)  # also when no alternation finished: what failed is in it
     return result
 
 
@@ -199,9 +230,11 @@ def markdown(result: dict) -> str:
     fmt = lambda s, unit="": f"{s['median']:.2f}{unit} [{s['min']:.2f}-{s['max']:.2f}]"
     lines = [markdown_line(result),
              (f"- dtype {result['dtype']}, target made decisive by {result['decisive']:g}; prompts of {result['prompt_tokens']} "
-              f"tokens, {result['gen_tokens']} generated per stream, {result['alternations']} alternations; drafted: scripted "
+              f"tokens, {result['gen_tokens']} generated per stream, {result['alternations_done']} of {result['alternations']} "
+              "alternations done; drafted: scripted "
               f"acceptance at the published profile. Each setting in its own process; the reference is `{reference}`. "
               "Medians [min-max] over alternations; ratios are taken within an alternation."),
+             *(f"- failed: `{label}`: {why}" for label, why in result["failed"].items()),
              "", "| streams | engine | setting | tok/s | round ms | vs reference | drafted / plain | same tokens |",
              "|---:|---|---|---:|---:|---:|---:|:---:|"]
     for key, row in result["cells"].items():
@@ -242,11 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     if not args.out:
         p.error("--out is required")
     try:
-        result = run(args)
+        result = run(args, lambda result: write_result(args.out, args.name, result, markdown(result)))
     except ValueError as e:
         p.error(str(e))
-    write_result(args.out, args.name, result, markdown(result))
     print(markdown(result))
+    if result["failed"]:
+        raise SystemExit(f"backend_settings: {len(result['failed'])} setting(s) failed: "
+                         + "; ".join(f"{label}: {why}" for label, why in result["failed"].items()))
 
 
 if __name__ == "__main__":

@@ -57,3 +57,51 @@ def test_a_bad_setting_is_refused_by_name(dense_dir, drafter_dir, tmp_path, caps
     with pytest.raises(SystemExit) as stopped:
         main(["--model", str(dense_dir), "--drafter", str(drafter_dir), "--out", str(tmp_path), "--settings", "default;CUDA=1"])
     assert stopped.value.code == 2 and "must be MLX_NAME=VALUE, not 'CUDA=1'" in capsys.readouterr().err
+
+
+class FakeWorker:
+    """A setting's process that answers at a fixed pace, or ends after `lasts` answers
+    (a setting named `...=ends-after-N`)."""
+
+    def __init__(self, label, setting, args):
+        self.label, self.answered = label, 0
+        value = next(iter(setting.values()), "")
+        self.lasts = int(value.rsplit("-", 1)[1]) if value.startswith("ends-after-") else None
+        self.tok_s = 100.0 + 10 * len(setting)
+
+    def answer(self):
+        if self.lasts is not None and self.answered >= self.lasts:
+            return None
+        self.answered += 1
+        return {"seconds": 1.0, "settings": {}, "tok_s": self.tok_s, "round_ms": 1000 / self.tok_s, "digest": "same"}
+
+    def ask(self, streams, engine):
+        return self.answer()
+
+    def ended(self, doing):
+        return f"ended {doing}"
+
+    def close(self):
+        pass
+
+
+def test_a_setting_whose_process_ends_is_reported_and_the_rest_go_on(monkeypatch, tmp_path):
+    import argparse
+
+    import bench.backend_settings as backend_settings
+
+    monkeypatch.setattr(backend_settings, "Worker", FakeWorker)
+    saved = []
+    args = argparse.Namespace(settings="default;MLX_A=1;MLX_B=ends-after-3", model="m", drafter="d", dtype=None,
+                              decisive=1.0, prompt_tokens=8, gen_tokens=8, alternations=3, streams=[1])
+    result = backend_settings.run(args, lambda r: saved.append(r["alternations_done"]))
+    # Ready, then two cells in the first alternation, then it ended in the second.
+    assert result["failed"] == {"MLX_B=ends-after-3": "ended in alternation 2 (1 streams, plain)"}
+    assert saved == [1, 2, 3, 3] and result["alternations_done"] == 3
+    plain = result["cells"]["1 plain"]["settings"]
+    assert set(plain) == {"default", "MLX_A=1"} and plain["MLX_A=1"]["vs_reference"]["median"] == pytest.approx(1.1)
+    assert "- failed: `MLX_B=ends-after-3`" in backend_settings.markdown(result)
+
+    args.settings = "MLX_B=ends-after-0;default"
+    result = backend_settings.run(args, lambda r: None)
+    assert result["failed"] == {"MLX_B=ends-after-0": "ended while loading"} and result["cells"] == {}
