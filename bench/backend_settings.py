@@ -24,7 +24,10 @@ profile. Then, for each alternation and each cell (a stream count and an engine,
 or drafted), every setting runs the cell once, in an order that rotates from one
 alternation to the next. Each run is `bench_engine.decode_run`: aggregate tokens per
 second while every lane decodes, and the mean round time from the engine's counters.
-Reported per cell and setting: tok/s, mean round ms, the ratio to the reference's run
+Reported per cell and setting: tok/s; the mean round of the engine's own kind (plain
+rounds of the plain engine, drafted ones of the drafting engine, whose guard may run a
+few plain), with a drafted round's draft phase (the host building and launching the
+drafter's work) and the share of rounds of that kind; the ratio to the reference's run
 of the same cell in the same alternation, and drafted / plain within the setting;
 medians and [min-max] over alternations. `same tokens` says every run at that stream
 count, plain and drafted, under every setting, emitted what the reference's first plain
@@ -103,14 +106,22 @@ def serve_cells(args) -> None:
     for line in iter(sys.stdin.readline, ""):
         ask = json.loads(line)
         engine = engines[ask["engine"]]
-        before = engine.rounds.counters.snapshot()["round_seconds"]
+        before = engine.rounds.counters.snapshot()
         run = decode_run(engine, prompts[ask["streams"]], args.gen_tokens)
-        after = engine.rounds.counters.snapshot()["round_seconds"]
-        rounds = after["count"] - before["count"]
-        answers.write(json.dumps({
-            "tok_s": run["tok_s"], "seconds": run["seconds"], "digest": tokens_digest(run["tokens"]),
-            "round_ms": 1e3 * (after["sum"] - before["sum"]) / max(rounds, 1), "rounds": rounds,
-        }) + "\n")
+        answers.write(json.dumps({"tok_s": run["tok_s"], "seconds": run["seconds"], "digest": tokens_digest(run["tokens"]),
+                                  **round_times(before, engine.rounds.counters.snapshot(), ask["engine"])}) + "\n")
+
+
+def round_times(before: dict, after: dict, mode: str) -> dict:
+    """From two `RoundCounters` snapshots: the mean round of `mode` (the engine's own:
+    plain rounds of the plain engine, drafted ones of the drafting engine, whose guard may
+    run a few plain), its drafted rounds' draft phase, and the share of rounds in `mode`."""
+    grown = lambda key, m: after[key].get(m, 0) - before[key].get(m, 0)
+    rounds = grown("rounds_by_mode", mode)
+    everything = sum(grown("rounds_by_mode", m) for m in ("plain", "drafted"))
+    drafted = grown("rounds_by_mode", "drafted")
+    return {"round_ms": 1e3 * grown("seconds_by_mode", mode) / rounds if rounds else None, "mode_share": rounds / max(everything, 1),
+            "draft_ms": 1e3 * (after["draft_seconds"] - before["draft_seconds"]) / drafted if drafted else None}
 
 
 # -- the parent: settings taking turns --------------------------------------------------
@@ -160,8 +171,12 @@ def summarize(labels: list[str], streams: list[int], runs: dict) -> dict:
         row = {"same_tokens": same, "settings": {}}
         for label in labels:
             mine = runs[(n, engine, label)]
-            entry = {"tok_s": spread([r["tok_s"] for r in mine]), "round_ms": spread([r["round_ms"] for r in mine]),
+            entry = {"tok_s": spread([r["tok_s"] for r in mine]), "mode_share": spread([r["mode_share"] for r in mine]),
                      "tok_s_runs": [r["tok_s"] for r in mine]}
+            for key in ("round_ms", "draft_ms"):  # over the runs that had such rounds
+                measured = [r[key] for r in mine if r[key] is not None]
+                if measured:
+                    entry[key] = spread(measured)
             if label != reference:
                 entry["vs_reference"] = spread([r["tok_s"] / ref["tok_s"] for r, ref in zip(mine, runs[(n, engine, reference)])])
             if engine == "drafted":
@@ -211,8 +226,9 @@ def run(args, saved=lambda result: None) -> dict:
                         result["failed"][label] = workers[label].ended(f"in alternation {alternation + 1} ({n} streams, {engine})")
                         continue
                     runs[(n, engine, label)].append(answer)
-                    print(f"alternation {alternation + 1}: {n} streams, {engine}, {label}: {answer['tok_s']:.1f} tok/s, "
-                          f"rounds of {answer['round_ms']:.2f} ms", flush=True)
+                    rounds = "" if answer["round_ms"] is None else f", {engine} rounds of {answer['round_ms']:.2f} ms"
+                    print(f"alternation {alternation + 1}: {n} streams, {engine}, {label}: {answer['tok_s']:.1f} tok/s{rounds}",
+                          flush=True)
             live = [label for label in live if label not in result["failed"]]
             if live and live[0] == labels[0]:
                 result["alternations_done"] = alternation + 1
@@ -235,16 +251,17 @@ def markdown(result: dict) -> str:
               f"acceptance at the published profile. Each setting in its own process; the reference is `{reference}`. "
               "Medians [min-max] over alternations; ratios are taken within an alternation."),
              *(f"- failed: `{label}`: {why}" for label, why in result["failed"].items()),
-             "", "| streams | engine | setting | tok/s | round ms | vs reference | drafted / plain | same tokens |",
-             "|---:|---|---|---:|---:|---:|---:|:---:|"]
+             "", "| streams | engine | setting | tok/s | round ms | of which drafting | rounds of its kind | vs reference | drafted / plain | same tokens |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, row in result["cells"].items():
         n, engine = key.split()
         for label, entry in row["settings"].items():
             tok_s = f"{entry['tok_s']['median']:.1f} [{entry['tok_s']['min']:.1f}-{entry['tok_s']['max']:.1f}]"
             vs_reference = fmt(entry["vs_reference"], "x") if "vs_reference" in entry else "-"
             vs_plain = fmt(entry["vs_plain"], "x") if "vs_plain" in entry else "-"
-            lines.append(f"| {n} | {engine} | `{label}` | {tok_s} | {fmt(entry['round_ms'])} | {vs_reference} | {vs_plain} | "
-                         f"{row['same_tokens']} |")
+            round_ms, drafting = (fmt(entry[key]) if key in entry else "-" for key in ("round_ms", "draft_ms"))
+            lines.append(f"| {n} | {engine} | `{label}` | {tok_s} | {round_ms} | {drafting} | "
+                         f"{entry['mode_share']['median']:.0%} | {vs_reference} | {vs_plain} | {row['same_tokens']} |")
     return "\n".join(lines) + "\n"
 
 

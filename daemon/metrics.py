@@ -162,6 +162,7 @@ class EngineCollector:
 
         yield by("rounds", "Engine rounds by kind.", "kind", s["rounds_by_kind"])
         # Drafting's cost or gain against plain rounds of the same engine: tokens / seconds by mode.
+        yield by("round_mode_rounds", "Engine rounds that drafted and plain ones.", "mode", s["rounds_by_mode"])
         yield by("round_mode_seconds", "Seconds of engine rounds that drafted and of plain ones.", "mode", s["seconds_by_mode"])
         yield by("round_mode_tokens", "Tokens emitted by engine rounds that drafted and by plain ones.", "mode", s["emitted_by_mode"])
         rounds = HistogramMetricFamily(PREFIX + "round_seconds", "Seconds per engine round.", labels=["model_name"])

@@ -20,6 +20,7 @@ class RoundCounters:
         self.rounds_by_kind: Counter[str] = Counter()
         # Round seconds and emitted tokens of rounds that drafted (lookups included) and of
         # plain ones: what drafting cost or gained against the same engine's plain rounds.
+        self.rounds_by_mode: Counter[str] = Counter()
         self.seconds_by_mode: Counter[str] = Counter()
         self.emitted_by_mode: Counter[str] = Counter()
         self.guard_reasons: Counter[str] = Counter()
@@ -38,6 +39,7 @@ class RoundCounters:
         with self._lock:
             self.rounds_by_kind[report.kind] += 1
             mode = "drafted" if report.drafting_lanes else "plain"
+            self.rounds_by_mode[mode] += 1
             self.seconds_by_mode[mode] += report.seconds
             self.emitted_by_mode[mode] += report.emitted
             if report.decision is not None:
@@ -64,6 +66,7 @@ class RoundCounters:
                 buckets.append([bound, cumulative])
             return {
                 "rounds_by_kind": dict(self.rounds_by_kind),
+                "rounds_by_mode": dict(self.rounds_by_mode),
                 "seconds_by_mode": dict(self.seconds_by_mode),
                 "emitted_by_mode": dict(self.emitted_by_mode),
                 "guard_reasons": dict(self.guard_reasons),

@@ -26,7 +26,8 @@ def test_every_setting_takes_every_place_in_turn():
 
 
 def test_ratios_pair_runs_of_the_same_alternation():
-    answer = lambda tok_s, digest="a": {"tok_s": tok_s, "round_ms": 1000 / tok_s, "digest": digest}
+    answer = lambda tok_s, digest="a": {"tok_s": tok_s, "round_ms": 1000 / tok_s, "digest": digest, "mode_share": 1.0,
+                                        "draft_ms": 1.0}
     runs = {(1, "plain", "ref"): [answer(100), answer(50)], (1, "plain", "other"): [answer(120), answer(55)],
             (1, "drafted", "ref"): [answer(200), answer(150)], (1, "drafted", "other"): [answer(180), answer(110)]}
     cells = summarize(["ref", "other"], [1], runs)
@@ -73,7 +74,8 @@ class FakeWorker:
         if self.lasts is not None and self.answered >= self.lasts:
             return None
         self.answered += 1
-        return {"seconds": 1.0, "settings": {}, "tok_s": self.tok_s, "round_ms": 1000 / self.tok_s, "digest": "same"}
+        return {"seconds": 1.0, "settings": {}, "tok_s": self.tok_s, "round_ms": 1000 / self.tok_s, "digest": "same",
+                "mode_share": 1.0, "draft_ms": None}
 
     def ask(self, streams, engine):
         return self.answer()
@@ -105,3 +107,16 @@ def test_a_setting_whose_process_ends_is_reported_and_the_rest_go_on(monkeypatch
     args.settings = "MLX_B=ends-after-0;default"
     result = backend_settings.run(args, lambda r: None)
     assert result["failed"] == {"MLX_B=ends-after-0": "ended while loading"} and result["cells"] == {}
+
+
+def test_round_times_are_the_engines_own_kind():
+    from bench.backend_settings import round_times
+
+    before = {"rounds_by_mode": {"plain": 4}, "seconds_by_mode": {"plain": 0.04}, "draft_seconds": 0.0}
+    after = {"rounds_by_mode": {"plain": 5, "drafted": 3}, "seconds_by_mode": {"plain": 0.05, "drafted": 0.09},
+             "draft_seconds": 0.03}
+    assert round_times(before, after, "drafted") == pytest.approx({"round_ms": 30.0, "mode_share": 0.75, "draft_ms": 10.0})
+    plain = round_times(before, after, "plain")
+    assert plain["round_ms"] == pytest.approx(10.0) and plain["mode_share"] == pytest.approx(0.25)
+    unchanged = round_times(before, before, "drafted")  # no round of its kind: no mean to report
+    assert unchanged["round_ms"] is None and unchanged["draft_ms"] is None

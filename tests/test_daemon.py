@@ -562,7 +562,7 @@ VLLM_NAMES = [
     "request_prompt_tokens", "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 ]
-OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_mode_seconds", "round_mode_tokens", "round_seconds", "verify_rows", "guard_drafting", "guard_tokens_per_second", "kv_bytes_in_use",
+OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_mode_rounds", "round_mode_seconds", "round_mode_tokens", "round_seconds", "verify_rows", "guard_drafting", "guard_tokens_per_second", "kv_bytes_in_use",
              "http_requests_client_disconnected"]
 
 
@@ -594,6 +594,8 @@ def test_metrics_parse_and_count_what_was_served(dense):
     assert by_mode["drafted"] > 0 and sum(by_mode.values()) == reply.usage.completion_tokens - 1
     seconds = sum(delta("round_mode_seconds", "_total", mode=mode) for mode in ("drafted", "plain"))
     assert seconds == pytest.approx(delta("round_seconds", "_sum"))
+    rounds = {mode: delta("round_mode_rounds", "_total", mode=mode) for mode in ("drafted", "plain")}
+    assert rounds["drafted"] > 0 and sum(rounds.values()) == delta("round_seconds", "_count")
 
 
 def test_models_tokenize_detokenize_version_and_probes(dense):
