@@ -2,18 +2,20 @@
 setting in a process of its own, the processes taking turns on the same machine.
 
     python -m bench.backend_settings --model DIR --drafter DIR --out DIR
-        [--settings 'default;MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=200'] [--streams 1,16]
+        [--settings 'default;MLX_USE_CUDA_GRAPHS=0'] [--streams 1,16]
         [--gen-tokens 1024] [--alternations 5] [--name backend-settings]
 
 MLX's CUDA backend reads its settings from the environment once, when it first runs, so
 one process cannot try two of them. On the H200 every round is bound by the host's time
 per operation (DESIGN.md, bench/results/README.md), and much of that time is how the
 backend hands kernels to the device: it records them into CUDA graphs of up to
-`MLX_MAX_OPS_PER_BUFFER` operations (100 on Hopper), then updates a cached executable of
-the same topology and launches it. CUPTI counts of the engine's rounds put
+`MLX_MAX_OPS_PER_BUFFER` operations and `MLX_MAX_MB_PER_BUFFER` of inputs (100 and
+1000 on Hopper, the latter counted in millions of elements), then updates a cached
+executable of the same topology and launches it. CUPTI counts of the engine's rounds put
 cudaGraphLaunch and cudaGraphExecUpdate at about half of the host's CUDA API time
 (`gpu/session16/kernels-dc633b9/`). `MLX_USE_CUDA_GRAPHS=0` launches each kernel
-directly instead; other sizes of graph trade launches against updates.
+directly instead; other sizes of graph trade launches against updates. The settings
+tried by default are DEFAULT_SETTINGS.
 
 A setting is `default` (the environment as it is, with families' backend defaults) or
 `NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only; the first
@@ -51,6 +53,11 @@ import time
 from bench.provenance import markdown_line, provenance, spread, write_result
 
 ENGINES = ("plain", "drafted")
+# The reference; kernels launched one by one; graphs of up to 200 operations, whatever
+# their inputs (a 2.6B step reads about 2.6G elements: 1000 would commit a graph three
+# times a step besides the operation count); graphs of up to 40.
+DEFAULT_SETTINGS = ("default", "MLX_USE_CUDA_GRAPHS=0", "MLX_MAX_OPS_PER_BUFFER=200,MLX_MAX_MB_PER_BUFFER=1000000",
+                    "MLX_MAX_OPS_PER_BUFFER=40")
 
 
 def parse_setting(text: str) -> dict[str, str]:
@@ -272,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafter", required=True)
     p.add_argument("--out", help="where NAME.json and NAME.md go (required unless --worker)")
     p.add_argument("--name", default="backend-settings", help="base name of the result files")
-    p.add_argument("--settings", default="default;MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=200;MLX_MAX_OPS_PER_BUFFER=40",
+    p.add_argument("--settings", default=";".join(DEFAULT_SETTINGS),
                    help="';'-separated settings, the first the reference (see above)")
     p.add_argument("--streams", type=ints, default=[1, 16])
     p.add_argument("--prompt-tokens", type=int, default=256)

@@ -35,8 +35,8 @@
 #             laneserve's backend defaults                            -> cuda-cache-fuse.{json,md}
 #   settings  backend_settings, 2.6B shape, published drafter shape:
 #             the engine's plain and drafted rounds at 1 and 16 streams
-#             under MLX's CUDA graph settings (graphs off, 200 and 40
-#             operations a graph), each in its own process, in turns  -> backend-settings.{json,md}
+#             under MLX's CUDA graph settings (graphs off, graphs of
+#             200 or 40 operations), each in its own process, in turns -> backend-settings.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name (CUPTI
 #             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
