@@ -36,7 +36,7 @@
 #   settings  backend_settings, 2.6B shape, published drafter shape:
 #             the engine's plain and drafted rounds at 1 and 16 streams
 #             under MLX's CUDA graph settings (graphs off, graphs of
-#             200 or 40 operations), each in its own process, in turns -> backend-settings.{json,md}
+#             up to 200 operations), each in its own process, in turns -> backend-settings.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name (CUPTI
 #             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
