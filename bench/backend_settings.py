@@ -36,8 +36,9 @@ count, plain and drafted, under every setting, emitted what the reference's firs
 run did (a setting that changes which kernels run could move a near-tie; drafted runs
 must equal plain ones). NAME.json and NAME.md (under --out, with the command, commit and
 machine) are written after every alternation, so a run cut short keeps what it finished;
-a setting whose process ends is named with its exit status and left out from then on,
-and the command then exits non-zero.
+a setting whose process ends, or gives no answer within `--load-timeout` seconds of
+starting or `--cell-timeout` of being asked for a cell (it is then stopped), is named
+with the reason and left out from then on, and the command then exits non-zero.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import argparse
 import hashlib
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -145,21 +147,30 @@ class Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "bench.backend_settings", "--worker", *forwarded],
                                         env={**os.environ, **setting}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def answer(self) -> dict | None:
-        """The process's next answer; None once it has ended (its output went to stderr)."""
+    def answer(self, timeout: float) -> dict | None:
+        """The process's next answer; None once it has ended (its output went to stderr)
+        or, stopped, when it gave none within `timeout` seconds (a hung backend must not
+        cost the other settings the rest of the run)."""
+        if not select.select([self.process.stdout], [], [], timeout)[0]:
+            self.process.kill()
+            self.silent_for = timeout
+            return None
         line = self.process.stdout.readline()
         return json.loads(line) if line else None
 
-    def ask(self, streams: int, engine: str) -> dict | None:
+    def ask(self, streams: int, engine: str, timeout: float) -> dict | None:
         try:
             self.process.stdin.write(json.dumps({"streams": streams, "engine": engine}) + "\n")
             self.process.stdin.flush()
         except BrokenPipeError:
             return None
-        return self.answer()
+        return self.answer(timeout)
 
     def ended(self, doing: str) -> str:
-        return f"its process ended with exit status {self.process.wait()} {doing}; its output is above"
+        status = self.process.wait()
+        if getattr(self, "silent_for", None) is not None:
+            return f"its process gave no answer within {self.silent_for:g} s {doing} and was stopped"
+        return f"its process ended with exit status {status} {doing}; its output is above"
 
     def close(self) -> None:
         try:
@@ -209,12 +220,12 @@ def run(args, saved=lambda result: None) -> dict:
     # The first process alone, so that whatever it compiles and caches on disk is there
     # before the others start; then the others together.
     workers = {labels[0]: Worker(labels[0], settings[labels[0]], args)}
-    ready = {labels[0]: workers[labels[0]].answer()}
+    ready = {labels[0]: workers[labels[0]].answer(args.load_timeout)}
     workers.update({label: Worker(label, settings[label], args) for label in labels[1:]})
     live = []
     try:
         for label in labels:
-            answer = ready.get(label) or workers[label].answer()
+            answer = ready[label] if label in ready else workers[label].answer(args.load_timeout)
             if answer is None:
                 result["failed"][label] = workers[label].ended("while loading")
                 continue
@@ -229,7 +240,7 @@ def run(args, saved=lambda result: None) -> dict:
                 for label in (live[i] for i in turn_order(len(live), alternation)):
                     if label in result["failed"]:
                         continue
-                    answer = workers[label].ask(n, engine)
+                    answer = workers[label].ask(n, engine, args.cell_timeout)
                     if answer is None:
                         result["failed"][label] = workers[label].ended(f"in alternation {alternation + 1} ({n} streams, {engine})")
                         continue
@@ -288,6 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--alternations", type=int, default=5)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--decisive", type=float, default=1 / 32, help="as bench_engine's")
+    p.add_argument("--load-timeout", type=float, default=420.0,
+                   help="seconds a setting's process may take to load, record and warm up before it is stopped")
+    p.add_argument("--cell-timeout", type=float, default=180.0,
+                   help="seconds a setting's process may take to answer one cell before it is stopped")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.streams or min(args.streams) < 1:

@@ -70,15 +70,15 @@ class FakeWorker:
         self.lasts = int(value.rsplit("-", 1)[1]) if value.startswith("ends-after-") else None
         self.tok_s = 100.0 + 10 * len(setting)
 
-    def answer(self):
+    def answer(self, timeout):
         if self.lasts is not None and self.answered >= self.lasts:
             return None
         self.answered += 1
         return {"seconds": 1.0, "settings": {}, "tok_s": self.tok_s, "round_ms": 1000 / self.tok_s, "digest": "same",
                 "mode_share": 1.0, "draft_ms": None}
 
-    def ask(self, streams, engine):
-        return self.answer()
+    def ask(self, streams, engine, timeout):
+        return self.answer(timeout)
 
     def ended(self, doing):
         return f"ended {doing}"
@@ -95,7 +95,8 @@ def test_a_setting_whose_process_ends_is_reported_and_the_rest_go_on(monkeypatch
     monkeypatch.setattr(backend_settings, "Worker", FakeWorker)
     saved = []
     args = argparse.Namespace(settings="default;MLX_A=1;MLX_B=ends-after-3", model="m", drafter="d", dtype=None,
-                              decisive=1.0, prompt_tokens=8, gen_tokens=8, alternations=3, streams=[1])
+                              decisive=1.0, prompt_tokens=8, gen_tokens=8, alternations=3, streams=[1],
+                              load_timeout=60.0, cell_timeout=60.0)
     result = backend_settings.run(args, lambda r: saved.append(r["alternations_done"]))
     # Ready, then two cells in the first alternation, then it ended in the second.
     assert result["failed"] == {"MLX_B=ends-after-3": "ended in alternation 2 (1 streams, plain)"}
@@ -120,3 +121,19 @@ def test_round_times_are_the_engines_own_kind():
     assert plain["round_ms"] == pytest.approx(10.0) and plain["mode_share"] == pytest.approx(0.25)
     unchanged = round_times(before, before, "drafted")  # no round of its kind: no mean to report
     assert unchanged["round_ms"] is None and unchanged["draft_ms"] is None
+
+
+def test_a_process_that_answers_nothing_is_stopped():
+    import subprocess
+    import sys
+
+    from bench.backend_settings import Worker
+
+    worker = Worker.__new__(Worker)
+    worker.label = "hung"
+    worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+    assert worker.ask(1, "plain", timeout=0.5) is None
+    assert worker.ended("in alternation 1") == "its process gave no answer within 0.5 s in alternation 1 and was stopped"
+    assert worker.process.returncode is not None
+    worker.close()
