@@ -18,8 +18,9 @@ class RoundCounters:
     def __init__(self):
         self._lock = threading.Lock()
         self.rounds_by_kind: Counter[str] = Counter()
-        # Round seconds and emitted tokens of rounds that drafted (lookups included) and of
-        # plain ones: what drafting cost or gained against the same engine's plain rounds.
+        # Rounds, their seconds and their emitted tokens, of rounds that drafted (lookups
+        # included) and of plain ones: what drafting cost or gained against the same
+        # engine's plain rounds, and each mode's mean round.
         self.rounds_by_mode: Counter[str] = Counter()
         self.seconds_by_mode: Counter[str] = Counter()
         self.emitted_by_mode: Counter[str] = Counter()
