@@ -141,6 +141,7 @@ class Worker:
 
     def __init__(self, label: str, setting: dict[str, str], args):
         self.label = label
+        self.silent_for: float | None = None  # set when the process is stopped for giving no answer
         forwarded = ["--model", args.model, "--drafter", args.drafter, "--streams", ",".join(map(str, args.streams)),
                      "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
                      "--decisive", repr(args.decisive), *(["--dtype", args.dtype] if args.dtype else [])]
@@ -168,7 +169,7 @@ class Worker:
 
     def ended(self, doing: str) -> str:
         status = self.process.wait()
-        if getattr(self, "silent_for", None) is not None:
+        if self.silent_for is not None:
             return f"its process gave no answer within {self.silent_for:g} s {doing} and was stopped"
         return f"its process ended with exit status {status} {doing}; its output is above"
 

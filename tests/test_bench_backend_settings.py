@@ -130,7 +130,7 @@ def test_a_process_that_answers_nothing_is_stopped():
     from bench.backend_settings import Worker
 
     worker = Worker.__new__(Worker)
-    worker.label = "hung"
+    worker.label, worker.silent_for = "hung", None
     worker.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
     assert worker.ask(1, "plain", timeout=0.5) is None
