@@ -19,6 +19,7 @@ from families.lfm2.model import (
     RowProductLinear,
     row_products,
     serve_linears_by_rows,
+    swiglu,
 )
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
@@ -35,6 +36,17 @@ def test_row_products_equal_the_matmul(lead):
     got = row_products(weight, x)
     assert got.shape == (*lead, 24)
     np.testing.assert_allclose(np.array(got), np.array(x @ weight.T), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_of_a_split_product_equals_the_matmul():
+    """One lane's FFN: SwiGLU over the halves of the merged w1|w3 product, then w2."""
+    rng = np.random.default_rng(7)
+    w13, w2 = (mx.array(rng.standard_normal(shape), dtype=mx.float32) for shape in ((128, 32), (32, 64)))
+    for lead in ((1,), (1, 1)):
+        hidden = swiglu(*mx.split(mx.array(rng.standard_normal((*lead, 32)), dtype=mx.float32) @ w13.T, 2, axis=-1))
+        got = row_products(w2, hidden)
+        assert got.shape == (*lead, 32)
+        np.testing.assert_allclose(np.array(got), np.array(hidden @ w2.T), rtol=1e-5, atol=1e-5)
 
 
 def test_only_small_unquantized_linear_maps_are_swapped():
