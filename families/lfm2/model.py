@@ -78,6 +78,14 @@ def multiply_add(*terms: mx.array) -> mx.array:
     return out
 
 
+def heads_first(x: mx.array) -> mx.array:
+    """`[N, T, heads, D]` -> `[N, heads, T, D]`, one row by reshaping: a transpose would
+    give the row axis of size 1 a stride of its own, and MLX's RMSNorm copies an input
+    whose row stride is not its width."""
+    n, t, heads, d = x.shape
+    return x.reshape(n, heads, 1, d) if t == 1 else x.transpose(0, 2, 1, 3)
+
+
 def depthwise_causal_conv(window: mx.array, weight: mx.array, bias: mx.array | None) -> mx.array:
     """`[N, L-1+T, H]` -> `[N, T, H]`: row t is `sum_k weight[:, k] * window[t + k]`, MLX's
     conv1d layout `[H, L, 1]`. Spelled as L multiply-adds (one fused kernel), which need
@@ -262,28 +270,34 @@ class Attention(nn.Module):
         """Serve q, k and v from one matmul `qkv_proj` (where they merge exactly)."""
         merge_parts(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
-    def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """[..., T, H] -> q, k, v as [..., T, heads, D] (q and k normed, no RoPE yet)."""
+    def qkv(self, x: mx.array, layout: RaggedLayout | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """`[N, T, H]`, or a round's packed rows `[R, H]` padded by `layout` -> q, k, v as
+        `[N, heads, T, D]`, q and k normed (no RoPE yet). Normed once the heads lead: the
+        norm's output is then contiguous and RoPE rotates it in place, where RoPE copies
+        a transposed input (MLX's CUDA backend: q's and k's, in every attention layer of
+        a verify or a drafter block)."""
         lead = x.shape[:-1]
         if "qkv_proj" in self:
             q_width = self.heads * self.head_dim
             q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + self.kv_heads * self.head_dim], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_layernorm(q.reshape(*lead, self.heads, self.head_dim))
-        k = self.k_layernorm(k.reshape(*lead, self.kv_heads, self.head_dim))
-        return q, k, v.reshape(*lead, self.kv_heads, self.head_dim)
+        q, k, v = (t.reshape(*lead, -1, self.head_dim) for t in (q, k, v))
+        if layout is not None:
+            q, k, v = (layout.pad(t) for t in (q, k, v))
+        q, k, v = (heads_first(t) for t in (q, k, v))
+        return self.q_layernorm(q), self.k_layernorm(k), v
 
     def __call__(self, x: mx.array) -> mx.array:
         batch, length, _ = x.shape
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        q, k, v = self.qkv(x)
         q, k = self.rope(q, 0), self.rope(k, 0)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
         return self.out_proj(o.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
         """Packed rows -> q, k, v `[N, heads, W, D]` at the lanes' positions (RoPE applied)."""
-        q, k, v = (layout.pad(t).transpose(0, 2, 1, 3) for t in self.qkv(x))
+        q, k, v = self.qkv(x, layout)
         offset = layout.rope_offset()
         return self.rope(q, offset), self.rope(k, offset), v
 

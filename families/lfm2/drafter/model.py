@@ -8,7 +8,7 @@ import mlx.nn as nn
 
 from .. import attention_kernel
 from ..cache import KVPool, RaggedLayout
-from ..model import attend, merge_parts, swiglu
+from ..model import attend, heads_first, merge_parts, swiglu
 from .config import DSparkConfig
 
 
@@ -38,27 +38,27 @@ class DSparkAttention(nn.Module):
         merge_parts(self, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
 
     def qkv(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """[N, T, H] -> q, k, v `[N, T, heads, D]` (q and k normed, no RoPE yet)."""
+        """[N, T, H] -> q, k, v `[N, heads, T, D]`, q and k normed once the heads lead (no
+        RoPE yet; why in that order: the target's `Attention.qkv`)."""
         n, t, _ = x.shape
         if "qkv_proj" in self:
             q_width = self.heads * self.head_dim
             q, k, v = mx.split(self.qkv_proj(x), [q_width, q_width + self.kv_heads * self.head_dim], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.reshape(n, t, self.heads, self.head_dim))
-        k = self.k_norm(k.reshape(n, t, self.kv_heads, self.head_dim))
-        return q, k, v.reshape(n, t, self.kv_heads, self.head_dim)
+        q, k, v = (heads_first(u.reshape(n, t, -1, self.head_dim)) for u in (q, k, v))
+        return self.q_norm(q), self.k_norm(k), v
 
     def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D].
         Merged projections compute q too and drop it: one matmul beats two on these few rows."""
-        _, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        _, k, v = self.qkv(x)
         return self.rope(k, offset), v
 
     def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
         """Block rows `[N, g, H]` -> q, k, v `[N, heads, g, D]` at the block's positions."""
         offset = layout.rope_offset()
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in self.qkv(x))
+        q, k, v = self.qkv(x)
         return self.rope(q, offset), self.rope(k, offset), v
 
     def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:

@@ -217,7 +217,7 @@ def block_hidden(drafter: DSparkModel, embed: nn.Embedding, taps: mx.array, toke
     for layer in drafter.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q, k_block, v_block = (t.transpose(0, 2, 1, 3) for t in attn.qkv(x))  # [B*A, heads or kv, g, D]
+        q, k_block, v_block = attn.qkv(x)  # [B*A, heads or kv, g, D]
         q, k_block = attn.rope(q, offsets), attn.rope(k_block, offsets)
         k_context, v_context = attn.keys_values(context, 0)  # [B, kv, T, D]
         q, k_block, v_block = (gather_blocks(t, batch, count) for t in (q, k_block, v_block))
