@@ -2,7 +2,7 @@
 setting in a process of its own, the processes taking turns on the same machine.
 
     python -m bench.backend_settings --model DIR --drafter DIR --out DIR
-        [--settings 'default;MLX_USE_CUDA_GRAPHS=0'] [--streams 1,16]
+        [--settings 'default;MLX_USE_CUDA_GRAPHS=0;code=.device/code-e8021da'] [--streams 1,16]
         [--gen-tokens 1024] [--alternations 5] [--name backend-settings]
 
 MLX's CUDA backend reads its settings from the environment once, when it first runs, so
@@ -18,8 +18,10 @@ directly instead; other sizes of graph trade launches against updates. The setti
 tried by default are DEFAULT_SETTINGS.
 
 A setting is `default` (the environment as it is, with families' backend defaults) or
-`NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only; the first
-setting is the reference. Every process loads the same checkpoint (the target made
+`NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only, and of
+`code=DIR`: the process runs the laneserve code in DIR instead of this checkout's (an
+earlier commit's tree, `bench.export_code`), so that a change to the code is measured
+beside the code before it, as a setting is; the first setting is the reference. Every process loads the same checkpoint (the target made
 decisive as in `bench_engine`), records the plain engine's greedy continuation of the
 same prompts, and wraps the drafter in the scripted-acceptance drafter at the published
 profile. Then, for each alternation and each cell (a stream count and an engine, plain
@@ -51,7 +53,10 @@ import select
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from bench.export_code import COMMIT_FILE
 from bench.provenance import markdown_line, provenance, spread, write_result
 
 ENGINES = ("plain", "drafted")
@@ -63,18 +68,46 @@ ENGINES = ("plain", "drafted")
 DEFAULT_SETTINGS = ("default", "MLX_USE_CUDA_GRAPHS=0", "MLX_MAX_OPS_PER_BUFFER=200,MLX_MAX_MB_PER_BUFFER=1000000")
 
 
-def parse_setting(text: str) -> dict[str, str]:
-    """`default` -> {}; `A=1,B=2` -> {"A": "1", "B": "2"}, names of MLX's variables only."""
+@dataclass(frozen=True)
+class Setting:
+    """What one process runs under: MLX variables added to its environment, and the
+    checkout whose code it runs (None: this one)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    code: str | None = None
+
+
+def parse_setting(text: str) -> Setting:
+    """`default` -> Setting(); `MLX_A=1,code=DIR` -> Setting({"MLX_A": "1"}, "DIR"): names
+    of MLX's variables, and at most one `code`, a directory holding this benchmark."""
     text = text.strip()
     if text == "default":
-        return {}
-    setting = {}
+        return Setting()
+    env, code = {}, None
     for part in text.split(","):
         name, equals, value = part.strip().partition("=")
-        if not equals or not value or not name.startswith("MLX_"):
-            raise ValueError(f"setting {text!r}: each part must be MLX_NAME=VALUE, not {part.strip()!r}")
-        setting[name] = value
-    return setting
+        if name == "code" and equals and value and code is None:
+            if not (Path(value) / "bench" / "backend_settings.py").is_file():
+                raise ValueError(f"setting {text!r}: {value} holds no laneserve code with bench/backend_settings.py")
+            code = value
+        elif equals and value and name.startswith("MLX_"):
+            env[name] = value
+        else:
+            raise ValueError(f"setting {text!r}: each part must be MLX_NAME=VALUE or one code=DIR, not {part.strip()!r}")
+    return Setting(env, code)
+
+
+def code_commit(code: str) -> str:
+    """The commit a code directory holds: its COMMIT file (`bench.export_code` writes
+    one), else its git HEAD, else unknown."""
+    named = Path(code) / COMMIT_FILE
+    if named.is_file():
+        return named.read_text().strip()
+    try:
+        return subprocess.run(["git", "-C", code, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def tokens_digest(tokens: list[list[int]]) -> str:
@@ -111,7 +144,7 @@ def serve_cells(args) -> None:
     recorded = {n: decode_run(setup.plain, ps, args.gen_tokens)["tokens"] for n, ps in prompts.items()}
     engines = {"plain": setup.plain,
                "drafted": setup.scripted(published_profile(), [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])])}
-    answers.write(json.dumps({"ready": True, "seconds": time.perf_counter() - began,
+    answers.write(json.dumps({"ready": True, "seconds": time.perf_counter() - began, "code_dir": str(Path(__file__).parent.parent),
                               "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}}) + "\n")
     for line in iter(sys.stdin.readline, ""):
         ask = json.loads(line)
@@ -139,14 +172,19 @@ def round_times(before: dict, after: dict, mode: str) -> dict:
 class Worker:
     """One setting's process and its line protocol."""
 
-    def __init__(self, label: str, setting: dict[str, str], args):
+    def __init__(self, label: str, setting: Setting, args):
         self.label = label
         self.silent_for: float | None = None  # set when the process is stopped for giving no answer
-        forwarded = ["--model", args.model, "--drafter", args.drafter, "--streams", ",".join(map(str, args.streams)),
-                     "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
-                     "--decisive", repr(args.decisive), *(["--dtype", args.dtype] if args.dtype else [])]
+        forwarded = ["--model", os.path.abspath(args.model), "--drafter", os.path.abspath(args.drafter),
+                     "--streams", ",".join(map(str, args.streams)), "--prompt-tokens", str(args.prompt_tokens),
+                     "--gen-tokens", str(args.gen_tokens), "--decisive", repr(args.decisive),
+                     *(["--dtype", args.dtype] if args.dtype else [])]
+        env = {**os.environ, **setting.env}
+        if setting.code:  # its own code first on the path, and its own commit in what it records
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(setting.code), env.get("PYTHONPATH")]))
+            env["BENCH_COMMIT"] = code_commit(setting.code)
         self.process = subprocess.Popen([sys.executable, "-m", "bench.backend_settings", "--worker", *forwarded],
-                                        env={**os.environ, **setting}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                        cwd=setting.code, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def answer(self, timeout: float) -> dict | None:
         """The process's next answer; None once it has ended (its output went to stderr)
@@ -231,7 +269,8 @@ def run(args, saved=lambda result: None) -> dict:
                 result["failed"][label] = workers[label].ended("while loading")
                 continue
             print(f"{label}: ready in {answer['seconds']:.1f} s", flush=True)
-            result["workers"][label] = answer
+            code = settings[label].code
+            result["workers"][label] = {**answer, "code": code or ".", "commit": code_commit(code) if code else result["commit"]}
             live.append(label)
         runs = {(n, engine, label): [] for n, engine in cells(args.streams) for label in labels}
         for alternation in range(args.alternations):
@@ -270,6 +309,8 @@ def markdown(result: dict) -> str:
               "alternations done; drafted: scripted "
               f"acceptance at the published profile. Each setting in its own process; the reference is `{reference}`. "
               "Medians [min-max] over alternations; ratios are taken within an alternation."),
+             *(f"- `{label}` ran the code of commit {worker['commit']}" for label, worker in result["workers"].items()
+               if worker.get("code", ".") != "."),
              *(f"- failed: `{label}`: {why}" for label, why in result["failed"].items()),
              "", "| streams | engine | setting | tok/s | round ms | of which drafting | rounds of its kind | vs reference | drafted / plain | same tokens |",
              "|---:|---|---|---:|---:|---:|---:|---:|---:|:---:|"]

@@ -4,19 +4,36 @@ settings in their own processes whose report compares them cell by cell."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from bench.backend_settings import main, parse_setting, summarize, turn_order
+from bench.backend_settings import Setting, code_commit, main, parse_setting, summarize, turn_order
+from bench.export_code import export_code
+from bench.provenance import REPO
 
 
-def test_settings_name_mlx_variables_only():
-    assert parse_setting(" default ") == {}
-    assert parse_setting("MLX_USE_CUDA_GRAPHS=0, MLX_MAX_OPS_PER_BUFFER=200") == {"MLX_USE_CUDA_GRAPHS": "0",
-                                                                                   "MLX_MAX_OPS_PER_BUFFER": "200"}
-    for bad in ("PATH=/tmp", "MLX_USE_CUDA_GRAPHS", "MLX_USE_CUDA_GRAPHS=", "defaults"):
-        with pytest.raises(ValueError, match="MLX_NAME=VALUE"):
+def test_settings_name_mlx_variables_and_code_only(tmp_path):
+    assert parse_setting(" default ") == Setting()
+    assert parse_setting("MLX_USE_CUDA_GRAPHS=0, MLX_MAX_OPS_PER_BUFFER=200") == Setting({"MLX_USE_CUDA_GRAPHS": "0",
+                                                                                           "MLX_MAX_OPS_PER_BUFFER": "200"})
+    assert parse_setting(f"code={REPO},MLX_USE_CUDA_GRAPHS=0") == Setting({"MLX_USE_CUDA_GRAPHS": "0"}, str(REPO))
+    for bad in ("PATH=/tmp", "MLX_USE_CUDA_GRAPHS", "MLX_USE_CUDA_GRAPHS=", "defaults", f"code={REPO},code={REPO}"):
+        with pytest.raises(ValueError, match="MLX_NAME=VALUE or one code=DIR"):
             parse_setting(bad)
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no laneserve code"):
+        parse_setting(f"code={tmp_path}")
+
+
+def test_an_earlier_commit_is_exported_as_code(tmp_path):
+    short = export_code("HEAD", tmp_path / "code")
+    assert (tmp_path / "code" / "COMMIT").read_text() == short + "\n" and code_commit(str(tmp_path / "code")) == short
+    assert (tmp_path / "code" / "bench" / "backend_settings.py").is_file()
+    assert not list((tmp_path / "code").glob("families/lfm2/default/*/*.safetensors"))
+    with pytest.raises(ValueError, match="is not empty"):
+        export_code("HEAD", tmp_path / "code")
+    with pytest.raises(ValueError, match="names no commit"):
+        export_code("no-such-commit", tmp_path / "other")
 
 
 def test_every_setting_takes_every_place_in_turn():
@@ -42,22 +59,32 @@ def test_ratios_pair_runs_of_the_same_alternation():
 
 
 def test_two_settings_side_by_side(dense_dir, drafter_dir, tmp_path):
+    """The second setting adds a variable and runs another copy of this code."""
+    code = tmp_path / "code"
+    for package in ("bench", "daemon", "families", "lanes"):
+        shutil.copytree(REPO / package, code / package, ignore=shutil.ignore_patterns("results", "*.safetensors", "__pycache__"))
+    short = "copy-of-this-tree"
+    (code / "COMMIT").write_text(short + "\n")
+    other = f"MLX_MAX_OPS_PER_BUFFER=50,code={code}"
     main(["--model", str(dense_dir), "--drafter", str(drafter_dir), "--out", str(tmp_path), "--dtype", "float32",
-          "--settings", "default;MLX_MAX_OPS_PER_BUFFER=50", "--streams", "1,2", "--gen-tokens", "12", "--alternations", "2"])
+          "--settings", f"default;{other}", "--streams", "1,2", "--gen-tokens", "12", "--alternations", "2"])
     result = json.loads((tmp_path / "backend-settings.json").read_text())
-    assert result["workers"]["MLX_MAX_OPS_PER_BUFFER=50"]["settings"]["MLX_MAX_OPS_PER_BUFFER"] == "50"
-    assert "MLX_MAX_OPS_PER_BUFFER" not in result["workers"]["default"]["settings"]
+    worker, reference = result["workers"][other], result["workers"]["default"]
+    assert worker["settings"]["MLX_MAX_OPS_PER_BUFFER"] == "50" and "MLX_MAX_OPS_PER_BUFFER" not in reference["settings"]
+    assert worker["code_dir"] == str(code.resolve()) and worker["commit"] == short
+    assert reference["code_dir"] == str(REPO) and reference["code"] == "."
     assert set(result["cells"]) == {"1 plain", "1 drafted", "2 plain", "2 drafted"}
     for row in result["cells"].values():
-        assert row["same_tokens"]  # the CPU ignores these settings: every run emits the same tokens
+        assert row["same_tokens"]  # the CPU ignores these settings, and the code is the same: every run emits the same tokens
         assert [len(entry["tok_s_runs"]) for entry in row["settings"].values()] == [2, 2]
-    assert "| 2 | drafted | `MLX_MAX_OPS_PER_BUFFER=50` |" in (tmp_path / "backend-settings.md").read_text()
+    report = (tmp_path / "backend-settings.md").read_text()
+    assert f"| 2 | drafted | `{other}` |" in report and f"- `{other}` ran the code of commit {short}" in report
 
 
 def test_a_bad_setting_is_refused_by_name(dense_dir, drafter_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["--model", str(dense_dir), "--drafter", str(drafter_dir), "--out", str(tmp_path), "--settings", "default;CUDA=1"])
-    assert stopped.value.code == 2 and "must be MLX_NAME=VALUE, not 'CUDA=1'" in capsys.readouterr().err
+    assert stopped.value.code == 2 and "must be MLX_NAME=VALUE or one code=DIR, not 'CUDA=1'" in capsys.readouterr().err
 
 
 class FakeWorker:
@@ -66,9 +93,9 @@ class FakeWorker:
 
     def __init__(self, label, setting, args):
         self.label, self.answered = label, 0
-        value = next(iter(setting.values()), "")
+        value = next(iter(setting.env.values()), "")
         self.lasts = int(value.rsplit("-", 1)[1]) if value.startswith("ends-after-") else None
-        self.tok_s = 100.0 + 10 * len(setting)
+        self.tok_s = 100.0 + 10 * len(setting.env)
 
     def answer(self, timeout):
         if self.lasts is not None and self.answered >= self.lasts:
