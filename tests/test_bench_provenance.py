@@ -23,6 +23,7 @@ COMMIT = re.compile(r"^[0-9a-f]{7,40}(-dirty)?$")
 NOT_RESULTS = {
     "random_checkpoint.py": "writes a checkpoint, not a result",
     "mutants.py": "its report names its own command, source tree and time",
+    "export_code.py": "writes a commit's code and its hash, which is the provenance a code= setting records",
 }
 
 
