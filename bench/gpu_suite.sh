@@ -40,7 +40,8 @@
 #   beside    backend_settings, as settings, but this tree beside the
 #             code of an earlier commit: CODE=DIR names it, made here by
 #             `python -m bench.export_code COMMIT .device/code-COMMIT`
-#             and carried to the GPU machine with the call             -> beside.{json,md}
+#             and carried to the GPU machine with the call; EXTRA adds
+#             settings after those two (';'-separated, as --settings) -> beside.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name (CUPTI
 #             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
@@ -54,7 +55,7 @@
 # machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
 # does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> [CODE=<dir>] gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|settings|beside|kernels"
+usage="usage: BENCH_COMMIT=<commit> [CODE=<dir> [EXTRA=<settings>]] gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|settings|beside|kernels"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -149,7 +150,7 @@ beside)
   : "${CODE:?$usage (beside: CODE names the code of an earlier commit, from bench.export_code)}"
   checkpoints_2_6b
   step python -m bench.backend_settings --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name beside \
-    --settings "default;code=$CODE"
+    --settings "default;code=$CODE${EXTRA:+;$EXTRA}"
   ;;
 kernels)
   checkpoints_2_6b

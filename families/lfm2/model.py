@@ -79,9 +79,9 @@ def multiply_add(*terms: mx.array) -> mx.array:
 
 
 def heads_first(x: mx.array) -> mx.array:
-    """`[N, T, heads, D]` -> `[N, heads, T, D]`, one row by reshaping: a transpose would
-    give the row axis of size 1 a stride of its own, and MLX's RMSNorm copies an input
-    whose row stride is not its width."""
+    """`[N, T, heads, D]` -> `[N, heads, T, D]`; for one row (T = 1) a reshape, since a
+    transpose would give the row axis of size 1 a stride of its own, and MLX's RMSNorm
+    copies an input whose row stride is not its width."""
     n, t, heads, d = x.shape
     return x.reshape(n, heads, 1, d) if t == 1 else x.transpose(0, 2, 1, 3)
 
