@@ -21,7 +21,10 @@ A setting is `default` (the environment as it is, with families' backend default
 `NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only, and of
 `code=DIR`: the process runs the laneserve code in DIR instead of this checkout's (an
 earlier commit's tree, `bench.export_code`), so that a change to the code is measured
-beside the code before it, as a setting is; the first setting is the reference. Every process loads the same checkpoint (the target made
+beside the code before it, as a setting is; the first setting is the reference.
+`control` runs the reference's setting again in a process of its own: what two
+processes of the same code and setting differ by is the floor under every other ratio
+(on a shared GPU, processes started side by side need not run alike). Every process loads the same checkpoint (the target made
 decisive as in `bench_engine`), records the plain engine's greedy continuation of the
 same prompts, and wraps the drafter in the scripted-acceptance drafter at the published
 profile. Then, for each alternation and each cell (a stream count and an engine, plain
@@ -60,6 +63,7 @@ from bench.export_code import COMMIT_FILE
 from bench.provenance import markdown_line, provenance, spread, write_result
 
 ENGINES = ("plain", "drafted")
+CONTROL = "control"  # the reference's setting, in a second process
 # The reference; kernels launched one by one; graphs of up to 200 operations, whatever
 # their inputs (a 2.6B step reads about 2.6G elements: 1000 would commit a graph three
 # times a step besides the operation count). Three, so that a run of the 2.6B shape
@@ -249,7 +253,9 @@ def run(args, saved=lambda result: None) -> dict:
     so a run cut short keeps its finished alternations. A setting whose process ends is
     reported under `failed` and left out from then on (all of it, if it is the reference)."""
     labels = [text.strip() for text in args.settings.split(";") if text.strip()]
-    settings = {label: parse_setting(label) for label in labels}
+    if labels[:1] == [CONTROL]:
+        raise ValueError(f"{CONTROL!r} repeats the reference, so it cannot be the first setting")
+    settings = {label: parse_setting(labels[0] if label == CONTROL else label) for label in labels}
     if len(settings) != len(labels):
         raise ValueError(f"a setting is named twice in {args.settings!r}")
     result = {**provenance(), "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",

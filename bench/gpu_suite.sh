@@ -41,7 +41,9 @@
 #             code of an earlier commit: CODE=DIR names it, made here by
 #             `python -m bench.export_code COMMIT .device/code-COMMIT`
 #             and carried to the GPU machine with the call; EXTRA adds
-#             settings after those two (';'-separated, as --settings) -> beside.{json,md}
+#             settings after those two (';'-separated, as --settings;
+#             `control` runs this tree again in a process of its own,
+#             the floor under the other ratios)                      -> beside.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name (CUPTI
 #             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt

@@ -137,6 +137,29 @@ def test_a_setting_whose_process_ends_is_reported_and_the_rest_go_on(monkeypatch
     assert result["failed"] == {"MLX_B=ends-after-0": "ended while loading"} and result["cells"] == {}
 
 
+def test_a_control_repeats_the_reference_in_a_process_of_its_own(monkeypatch):
+    import argparse
+
+    import bench.backend_settings as backend_settings
+
+    started = {}
+
+    class Recorded(FakeWorker):
+        def __init__(self, label, setting, args):
+            started[label] = setting
+            super().__init__(label, setting, args)
+
+    monkeypatch.setattr(backend_settings, "Worker", Recorded)
+    args = argparse.Namespace(settings="MLX_A=1;control;MLX_B=2", model="m", drafter="d", dtype=None, decisive=1.0,
+                              prompt_tokens=8, gen_tokens=8, alternations=2, streams=[1], load_timeout=60.0, cell_timeout=60.0)
+    result = backend_settings.run(args)
+    assert started == {"MLX_A=1": Setting({"MLX_A": "1"}), "control": Setting({"MLX_A": "1"}), "MLX_B=2": Setting({"MLX_B": "2"})}
+    assert result["cells"]["1 plain"]["settings"]["control"]["vs_reference"]["median"] == pytest.approx(1.0)
+    args.settings = "control;default"
+    with pytest.raises(ValueError, match="cannot be the first setting"):
+        backend_settings.run(args)
+
+
 def test_round_times_are_the_engines_own_kind():
     from bench.backend_settings import round_times
 
