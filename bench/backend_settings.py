@@ -24,7 +24,9 @@ earlier commit's tree, `bench.export_code`), so that a change to the code is mea
 beside the code before it, as a setting is; the first setting is the reference.
 `control` runs the reference's setting again in a process of its own: what two
 processes of the same code and setting differ by is the floor under every other ratio
-(on a shared GPU, processes started side by side need not run alike). Every process loads the same checkpoint (the target made
+(on a shared GPU, processes started side by side need not run alike).
+
+Every process loads the same checkpoint (the target made
 decisive as in `bench_engine`), records the plain engine's greedy continuation of the
 same prompts, and wraps the drafter in the scripted-acceptance drafter at the published
 profile. Then, for each alternation and each cell (a stream count and an engine, plain

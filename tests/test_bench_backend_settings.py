@@ -30,8 +30,9 @@ def test_an_earlier_commit_is_exported_as_code(tmp_path):
     assert (tmp_path / "code" / "COMMIT").read_text() == short + "\n" and code_commit(str(tmp_path / "code")) == short
     assert (tmp_path / "code" / "bench" / "backend_settings.py").is_file()
     assert not list((tmp_path / "code").glob("families/lfm2/default/*/*.safetensors"))
-    with pytest.raises(ValueError, match="is not empty"):
-        export_code("HEAD", tmp_path / "code")
+    for taken in (tmp_path / "code", tmp_path / "code" / "COMMIT"):
+        with pytest.raises(ValueError, match="is not an empty directory"):
+            export_code("HEAD", taken)
     with pytest.raises(ValueError, match="names no commit"):
         export_code("no-such-commit", tmp_path / "other")
 
