@@ -113,18 +113,17 @@ ROW_KERNEL_ROWS = row_kernel.MAX_ROWS
 
 
 def row_products(weight: mx.array, x: mx.array) -> mx.array:
-    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: one row as `weight @ column`,
-    one matrix-vector product per row for a small weight and 2..ROW_PRODUCT_ROWS rows,
-    the row kernel for a larger one and 2..ROW_KERNEL_ROWS rows (where it serves), else
-    one matmul."""
+    """`x @ weight.T` for `x [..., K]` and `weight [N, K]`: one matrix-vector product per
+    row for one row, or for a small weight and up to ROW_PRODUCT_ROWS rows, the row
+    kernel for a larger one and 2..ROW_KERNEL_ROWS rows (where it serves), else one
+    matmul."""
     rows = x.size // x.shape[-1]
-    if rows == 1:
-        # The same GEMV as `x @ weight.T`, minus a copy. A fused kernel's output keeps its
-        # first input's strides, so SwiGLU over one row sliced from w1|w3's product keeps
-        # that wide row's stride, and a matmul copies a row operand whose stride is not
-        # its width: one copy per layer of a one-lane step. The column's view is canonical.
-        return (weight @ x.reshape(-1, 1)).reshape(*x.shape[:-1], weight.shape[0])
-    if 1 < rows <= ROW_PRODUCT_ROWS and weight.nbytes <= ROW_PRODUCT_BYTES:
+    # One row of any weight too: the same GEMV as `x @ weight.T`, minus a copy. A fused
+    # kernel's output keeps its first input's strides, so SwiGLU over one row sliced from
+    # w1|w3's product keeps that wide row's stride, and a matmul copies a row operand whose
+    # stride is not its width (one copy per layer of a one-lane step); the column's view
+    # is canonical.
+    if rows == 1 or (rows <= ROW_PRODUCT_ROWS and weight.nbytes <= ROW_PRODUCT_BYTES):
         return (weight @ x.reshape(rows, -1, 1)).reshape(*x.shape[:-1], weight.shape[0])
     if 1 < rows <= ROW_KERNEL_ROWS and row_kernel.available() and row_kernel.serves(weight):
         return row_kernel.rows_times_weight(x.reshape(rows, -1), weight).reshape(*x.shape[:-1], weight.shape[0])
