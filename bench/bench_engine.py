@@ -45,6 +45,7 @@ measure the machine's drift between runs does not move.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -76,8 +77,9 @@ def read_prompts(engine: Engine, requests: list[Request]) -> None:
     mx.synchronize()
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
-    """Run prompts to completion; time the phase where every lane decodes."""
+def decode_run(engine: Engine, prompts: list[list[int]], gen: int, decoding=contextlib.nullcontext) -> dict:
+    """Run prompts to completion; time the phase where every lane decodes (run inside
+    `decoding()`, a context manager: a profiler that should see decoding alone)."""
     decoded = {"tokens": 0, "timing": False}
     finished = {}
 
@@ -90,9 +92,10 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int) -> dict:
     requests = [Request(p, gen, on_event=count) for p in prompts]
     read_prompts(engine, requests)
     decoded["timing"] = True
-    started = time.perf_counter()
-    engine.run_until_idle()
-    seconds = time.perf_counter() - started
+    with decoding():
+        started = time.perf_counter()
+        engine.run_until_idle()
+        seconds = time.perf_counter() - started
     done = [finished[r.id] for r in requests]
     drafted = [n for d in done for n in d.draft.accepted_per_round]
     return {

@@ -4,9 +4,13 @@ the engine benchmarks' `--log FILE` asks."""
 from __future__ import annotations
 
 import logging
+import os
 
 
 def write_lane_core_log(path: str) -> None:
+    """Log to `path` (its folder made if missing: it is often the run's --out, which the
+    benchmark would make only later)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(relativeCreated)d %(name)s %(message)s"))
     lanes_log = logging.getLogger("laneserve")

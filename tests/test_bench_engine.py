@@ -4,6 +4,7 @@ engine and restored for every later run, whose decode equals the first's."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 import pytest
@@ -24,6 +25,23 @@ def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_
         cache = engine.stats()["prefix_cache"]
         # Every run after an engine's first restores all of the prompt's whole blocks.
         assert cache["hit_tokens_total"] == (runs - 1) * (300 // cache["block_tokens"]) * cache["block_tokens"]
+
+
+def test_decoding_alone_runs_inside_the_given_context(dense_dir, drafter_dir):
+    """What kernel_counts profiles: every prompt read before it, every token after."""
+    setup = Setup(argparse.Namespace(model=str(dense_dir), drafter=str(drafter_dir), dtype=None, decisive=1 / 32), 2)
+    seen = []
+
+    @contextlib.contextmanager
+    def decoding():
+        seen.append(("enter", setup.plain.waiting or setup.plain.prefilling, setup.plain.stats()["generation_tokens_total"]))
+        yield
+        seen.append(("exit", setup.plain.stats()["generation_tokens_total"]))
+
+    before = setup.plain.stats()["generation_tokens_total"]
+    run = decode_run(setup.plain, setup.prompts(np.random.default_rng(1), 2, 40), 9, decoding)
+    (_, busy, at_entry), (_, at_exit) = seen
+    assert not busy and at_exit - before == 2 * 9 and at_exit - at_entry == run["decode_tokens"]
 
 
 def test_drafting_cost_is_what_drafted_rounds_took_beyond_plain_rounds_for_as_many_tokens():
