@@ -45,8 +45,12 @@
 #             `control` runs this tree again in a process of its own,
 #             the floor under the other ratios)                      -> beside.{json,md}
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
-#             drafted round launch at 1 and 16 lanes, by name (CUPTI
-#             through the machine's torch)                            -> kernels/kernel-counts.json, kernels/table-*.txt
+#             drafted round launch at 1 and 16 lanes, by name, and the
+#             runtime calls that move memory (CUPTI through the
+#             machine's torch), decoding only                         -> kernels/kernel-counts.json, kernels/table-*.txt
+#   traffic   host_traffic: small int kernels' device time with host-made
+#             and host-read arrays around them, at 16 lanes and 1 (MLX's
+#             managed memory, CUPTI through the machine's torch)       -> host-traffic-{16,1}.{json,md}
 #
 # Every result file records its command, commit and machine (bench/provenance.py). The
 # copy of the tree on the GPU machine has no reliable git metadata, so BENCH_COMMIT must
@@ -57,7 +61,7 @@
 # machine (decisive ones for bench_target, see checkpoint_2_6b_decisive). A failing step
 # does not stop the next one.
 set -u
-usage="usage: BENCH_COMMIT=<commit> [CODE=<dir> [EXTRA=<settings>]] gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|settings|beside|kernels"
+usage="usage: BENCH_COMMIT=<commit> [CODE=<dir> [EXTRA=<settings>]] gpu_suite.sh OUT target|8b|rows|launches|experts|drafting|engine|long|upkeep|prefix|prompts|fuse|settings|beside|kernels|traffic"
 out=${1:?$usage}
 mode=${2:?$usage}
 : "${BENCH_COMMIT:?$usage (the commit of this tree: its copy on the GPU machine has no reliable git metadata)}"
@@ -157,6 +161,10 @@ beside)
 kernels)
   checkpoints_2_6b
   step python -m bench.kernel_counts --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/kernels" --lanes 1,16
+  ;;
+traffic)
+  step python -m bench.host_traffic --out "$out" --name host-traffic-16 --lanes 16
+  step python -m bench.host_traffic --out "$out" --name host-traffic-1 --lanes 1
   ;;
 *)
   echo "$usage" >&2
