@@ -338,11 +338,13 @@ class DSparkDrafter:
                 # the anchor, the target's own token) is always in range.
                 e = markov.markov_w1(prev if pick is None or k == 0 else mx.clip(prev, 0, cfg.vocab_size - 1))
                 l_k = base[:, k].astype(mx.float32) + markov.markov_w2(e).astype(mx.float32)
-                prev = (mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k)).astype(mx.int32)
+                # An argmax's uint32 ids index w1 as they are: one cast of the stacked
+                # tokens, not one per step (each a kernel of its own on a GPU).
+                prev = mx.argmax(l_k, axis=-1) if pick is None else pick(l_k, k).astype(mx.int32)
                 tokens.append(prev)
                 logits.append(l_k)
                 embedded.append(e)
-            tokens_arr = mx.stack(tokens, axis=1)
+            tokens_arr = mx.stack(tokens, axis=1).astype(mx.int32)
             prev_rows = lambda: mx.stack(embedded, axis=1)
             logits_arr = mx.stack(logits, axis=1) if keep_logits else None
         confidences = None
