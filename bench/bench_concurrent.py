@@ -165,16 +165,22 @@ class Runner:
 
         async def worker() -> None:
             nonlocal measured_running
+            # Whether the next request is measured goes by when this worker's last one
+            # ended (the clock its record keeps), so the last measured request ends at or
+            # after the deadline and the window lasts at least min_seconds.
+            ready = start
             while True:
-                measured = time.perf_counter() < deadline
+                measured = ready < deadline
                 if not measured and measured_running == 0:
                     return
                 measured_running += measured
                 result = await stream(self.session, url, self.spec(next(numbers), setting), measured)
                 measured_running -= measured
                 records.append(result.record)
+                ready = result.record.ended
                 if not result.record.ok:
                     await asyncio.sleep(0.1)  # a server refusing at once would otherwise be hammered
+                    ready = time.perf_counter()
 
         async def redraw() -> None:
             while True:
