@@ -47,7 +47,7 @@
 #   kernels   kernel_counts, 2.6B shape: the kernels a plain and a
 #             drafted round launch at 1 and 16 lanes, by name, and the
 #             runtime calls that move memory (CUPTI through the
-#             machine's torch), decoding only                         -> kernels/kernel-counts.json, kernels/table-*.txt
+#             machine's torch), decoding only; then by round phase    -> kernels/kernel-counts.json, kernels/{table,phases}-*.txt
 #   traffic   host_traffic: small int kernels' device time with host-made
 #             and host-read arrays around them, at 16 lanes and 1 (MLX's
 #             managed memory, CUPTI through the machine's torch)       -> host-traffic-{16,1}.{json,md}
@@ -160,7 +160,7 @@ beside)
   ;;
 kernels)
   checkpoints_2_6b
-  step python -m bench.kernel_counts --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/kernels" --lanes 1,16
+  step python -m bench.kernel_counts --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out/kernels" --lanes 1,16 --phases
   ;;
 traffic)
   step python -m bench.host_traffic --out "$out" --name host-traffic-16 --lanes 16
