@@ -48,7 +48,7 @@ except ImportError:
     torch = None
 import mlx.core as mx
 
-from bench.kernel_counts import MEMORY_CALLS
+from bench.kernel_counts import tally
 from bench.provenance import markdown_line, provenance, spread, write_result
 
 REGIMES = ("device", "host input", "cached host input", "scalar host input", "host read", "host input and read")
@@ -106,13 +106,7 @@ def profiled(fn, iterations: int) -> dict:
             fn()
         mx.synchronize()
         wall = time.perf_counter() - began
-    kernels, device_us, calls = collections.Counter(), collections.Counter(), collections.Counter()
-    for event in prof.key_averages():
-        if event.device_type.name == "CUDA" or getattr(event, "self_device_time_total", 0) > 0:
-            kernels[event.key] += event.count
-            device_us[event.key] += event.self_device_time_total
-        elif event.key.startswith(MEMORY_CALLS):
-            calls[event.key] += event.count
+    kernels, device_us, calls, _ = tally(prof)
     return {"kernels": sum(kernels.values()) / iterations, "device_us": sum(device_us.values()) / iterations,
             "wall_us": 1e6 * wall / iterations, "calls": {k: c / iterations for k, c in calls.items()},
             "kernel_us": {k: device_us[k] / c for k, c in kernels.items()}}

@@ -44,6 +44,23 @@ import numpy as np
 # CUDA runtime calls by which MLX's allocator takes, moves and gives back memory, and waits.
 MEMORY_CALLS = ("cudaMalloc", "cudaFree", "cudaMemcpy", "cudaMemAdvise", "cudaMemPrefetch", "cudaStreamSynchronize",
                 "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def tally(prof) -> tuple[collections.Counter, collections.Counter, collections.Counter, collections.Counter]:
+    """A torch.profiler run's kernels by name (counts, device us) and its MEMORY_CALLS by
+    name (counts, host us)."""
+    kernels, device_us = collections.Counter(), collections.Counter()
+    calls, host_us = collections.Counter(), collections.Counter()
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" or getattr(event, "self_device_time_total", 0) > 0:
+            kernels[event.key] += event.count
+            device_us[event.key] += getattr(event, "self_device_time_total", 0)
+        elif event.key.startswith(MEMORY_CALLS):
+            calls[event.key] += event.count
+            host_us[event.key] += event.self_cpu_time_total
+    return kernels, device_us, calls, host_us
+
+
 MARK = re.compile(r"laneserve_phase_mark_(\d+)_")
 AFTER_LAST_MARK = "(after the last mark)"
 
@@ -163,15 +180,7 @@ def main() -> None:
             decode_run(engine, prompts, args.gen)
             mx.synchronize()
             run, prof = profiled_run(engine, prompts)
-            kernels, device_us = collections.Counter(), collections.Counter()
-            calls, host_us = collections.Counter(), collections.Counter()
-            for event in prof.key_averages():
-                if event.device_type.name == "CUDA" or getattr(event, "self_device_time_total", 0) > 0:
-                    kernels[event.key] += event.count
-                    device_us[event.key] += getattr(event, "self_device_time_total", 0)
-                elif event.key.startswith(MEMORY_CALLS):
-                    calls[event.key] += event.count
-                    host_us[event.key] += event.self_cpu_time_total
+            kernels, device_us, calls, host_us = tally(prof)
             key = f"{name}-{n}"
             counts[key] = {"run": {k: run[k] for k in ("rounds", "drafted_rounds", "decode_tokens", "seconds")},
                            "kernels": sum(kernels.values()), "device_us": sum(device_us.values()),
