@@ -98,7 +98,7 @@ class Iterations:
         ids = self.ids(self.offsets(regime))
         if regime == "readback":
             posted = self.readback.post([ids])
-            mx.eval(self.readback.boxes[posted.box])
+            mx.eval(self.readback.pending(posted))
             return self.readback.read(posted)[0].tolist()
         mx.eval(ids)
         return ids.tolist() if regime.endswith("read") else None

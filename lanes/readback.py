@@ -10,6 +10,9 @@ kept int32 box, and the host reads that box once. Writing into a box nothing els
 reuses its buffer (MLX donates it to the update), so after the first read the host reads
 the same managed pages every round and no buffer it touched returns to the cache.
 
+A post of at most 8 bytes (one lane's token) skips the box: MLX makes arrays that small in
+a managed pool the device maps instead of migrating, which costs the kernels nothing.
+
 A box is rewritten only once its post has been read, so there are as many boxes as
 posts wait unread at once: two where a plain round is posted before the round ahead
 of it is read. A post never read (a round dropped) holds its box until MAX_BOXES are
@@ -25,16 +28,19 @@ import numpy as np
 
 MAX_BOXES = 4
 MIN_CAPACITY = 1024  # int32 slots; a box grows by doubling
+SMALL_POOL_SLOTS = 2  # int32 slots MLX's CUDA allocator takes from its mapped small pool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Posted:
-    """Where a post's arrays lie in its box: their shapes and dtypes, in order."""
+    """What a post's arrays are packed into (a box, or for a small post `direct`), and
+    their shapes and dtypes, in order."""
 
-    box: int
+    box: int | None
     serial: int  # posts in order: the oldest unread is taken back first
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[mx.Dtype, ...]
+    direct: mx.array | None = None
 
 
 def as_int32(a: mx.array) -> mx.array:
@@ -64,30 +70,40 @@ class Readback:
 
     def post(self, arrays: list[mx.array]) -> Posted:
         """Pack `arrays` (lazy, int or float32, any shapes; others are cast to int32)
-        into the next box; evaluate `self.boxes[posted.box]` (or anything it feeds)
-        before `read`."""
-        box = self._free_box()
+        into a free box; evaluate `pending(posted)` (with the rest of the round) before
+        `read`."""
         packed = mx.concatenate([as_int32(a) for a in arrays]) if arrays else mx.zeros((0,), mx.int32)
         n = packed.shape[0]
+        shapes, dtypes = tuple(tuple(a.shape) for a in arrays), tuple(a.dtype for a in arrays)
+        self.serial += 1
+        if n <= SMALL_POOL_SLOTS:
+            return Posted(None, self.serial, shapes, dtypes, direct=packed)
+        box = self._free_box()
         capacity = self.boxes[box].shape[0]
         if capacity < n:
             while capacity < n:
                 capacity *= 2
             self.boxes[box] = mx.zeros((capacity,), mx.int32)
         self.boxes[box][:n] = packed  # in place: the old box is held by nothing else
-        self.serial += 1
-        posted = Posted(box, self.serial, tuple(tuple(a.shape) for a in arrays), tuple(a.dtype for a in arrays))
+        posted = Posted(box, self.serial, shapes, dtypes)
         self.unread[box] = posted
         return posted
+
+    def pending(self, posted: Posted) -> mx.array:
+        """The array to evaluate before `read`."""
+        return posted.direct if posted.direct is not None else self.boxes[posted.box]
 
     def read(self, posted: Posted) -> list[np.ndarray]:
         """The posted arrays on the host, as numpy arrays of their shapes and dtypes (4-byte
         types as posted, others as int32). Evaluates the box if it is not yet."""
-        if self.unread[posted.box] is not posted:
-            raise RuntimeError(f"readback box {posted.box} was taken back before this post was read")
-        self.unread[posted.box] = None
         sizes = [int(np.prod(shape)) for shape in posted.shapes]
-        host = np.array(self.boxes[posted.box][: sum(sizes)])  # a copy: no view keeps the box
+        if posted.direct is not None:
+            host = np.array(posted.direct)
+        else:
+            if self.unread[posted.box] is not posted:
+                raise RuntimeError(f"readback box {posted.box} was taken back before this post was read")
+            self.unread[posted.box] = None
+            host = np.array(self.boxes[posted.box][: sum(sizes)])  # a copy: no view keeps the box
         out, at = [], 0
         for shape, dtype, size in zip(posted.shapes, posted.dtypes, sizes):
             part = host[at : at + size]

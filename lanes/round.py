@@ -349,7 +349,7 @@ class RoundRunner:
         posted = self.readback.post([tokens])
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
         # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
-        mx.async_eval(self.readback.boxes[posted.box], tokens, *logprobs, *([out.taps] if out.taps is not None else []),
+        mx.async_eval(self.readback.pending(posted), tokens, *logprobs, *([out.taps] if out.taps is not None else []),
                       *self.target.state_arrays())
         return PlainDispatch(lanes, out, tokens, posted, None if lag else list(anchors), started, pipelined=bool(lag),
                              logprobs=logprobs)
@@ -423,7 +423,7 @@ class RoundRunner:
         posted = self.readback.post([choices.choices, *(proposal_reads(proposal) if proposal is not None else ())])
         ends.append(self.clock())
         # The round's one host sync.
-        mx.eval(self.readback.boxes[posted.box], *choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
+        mx.eval(self.readback.pending(posted), *choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
         ends.append(self.clock())
         outcomes = self._outcomes(choices, proposal, lanes, windows, drafting, drafts, self.readback.read(posted))
         ends.append(self.clock())
@@ -454,7 +454,7 @@ class RoundRunner:
                                         drafter_pick(asked, g, self.seen), chain_logits=False, confidences=self.price_live)
         posted = self.readback.post(proposal_reads(proposal)) if self.price_live else None
         (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays(),
-                                                          *([self.readback.boxes[posted.box]] if posted else [])])
+                                                          *([self.readback.pending(posted)] if posted else [])])
         self._draft_seconds = self.clock() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}
         drafts = [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting]

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from lanes.readback import MAX_BOXES, MIN_CAPACITY, Readback
+from lanes.readback import MAX_BOXES, MIN_CAPACITY, SMALL_POOL_SLOTS, Readback
 
 
 def address(a: mx.array) -> int:
@@ -41,22 +41,30 @@ def test_a_box_is_rewritten_in_place_once_read():
 
 def test_posts_waiting_unread_take_boxes_of_their_own():
     rb = Readback()
-    first, second = rb.post([mx.array([1, 2])]), rb.post([mx.array([3])])
+    first, second = rb.post([mx.array([1, 2, 3])]), rb.post([mx.array([4, 5, 6])])
     assert first.box != second.box
-    assert rb.read(second)[0].tolist() == [3] and rb.read(first)[0].tolist() == [1, 2]
-    third = rb.post([mx.array([4])])
-    assert third.box in (first.box, second.box) and rb.read(third)[0].tolist() == [4]
+    assert rb.read(second)[0].tolist() == [4, 5, 6] and rb.read(first)[0].tolist() == [1, 2, 3]
+    third = rb.post([mx.array([7, 8, 9])])
+    assert third.box in (first.box, second.box) and rb.read(third)[0].tolist() == [7, 8, 9]
 
 
 def test_a_post_never_read_is_taken_back_when_every_box_is_in_use():
     rb = Readback()
-    posts = [rb.post([mx.array([i])]) for i in range(MAX_BOXES + 1)]
+    posts = [rb.post([mx.array([i, i, i])]) for i in range(MAX_BOXES + 1)]
     assert len(rb.boxes) == MAX_BOXES and posts[-1].box == posts[0].box
     with pytest.raises(RuntimeError, match="taken back before this post was read"):
         rb.read(posts[0])
-    assert [rb.read(p)[0].tolist() for p in posts[1:]] == [[i] for i in range(1, MAX_BOXES + 1)]
+    assert [rb.read(p)[0].tolist() for p in posts[1:]] == [[i] * 3 for i in range(1, MAX_BOXES + 1)]
     with pytest.raises(RuntimeError, match="taken back"):
         rb.read(posts[1])  # read already
+
+
+def test_a_post_small_enough_for_the_mapped_pool_skips_the_boxes():
+    rb = Readback()
+    posted = rb.post([mx.array([7]), mx.array([0.5], dtype=mx.float32)][:SMALL_POOL_SLOTS])
+    assert posted.box is None and rb.boxes == []
+    token, confidence = rb.read(posted)
+    assert token.tolist() == [7] and confidence.tolist() == [0.5]
 
 
 def test_a_box_grows_for_a_larger_post():
