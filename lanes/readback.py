@@ -103,7 +103,9 @@ class Readback:
             if self.unread[posted.box] is not posted:
                 raise RuntimeError(f"readback box {posted.box} was taken back before this post was read")
             self.unread[posted.box] = None
-            host = np.array(self.boxes[posted.box][: sum(sizes)])  # a copy: no view keeps the box
+            # No lazy slice: one would queue behind the rounds launched since and wait for
+            # them. The view is dropped at once, leaving the box to the next update.
+            host = np.array(self.boxes[posted.box], copy=False)[: sum(sizes)].copy()
         out, at = [], 0
         for shape, dtype, size in zip(posted.shapes, posted.dtypes, sizes):
             part = host[at : at + size]
