@@ -24,9 +24,7 @@ offsets coming from, and the result going to:
 - cached host input: the same host-made offsets every iteration (made once, never freed);
 - scalar host input: device offsets plus the host's one int (an array of 4 bytes);
 - host read: as device, then the result read to a list;
-- host input and read: both, as a round does;
-- readback: as device, the result read through the lane core's readback (a kept box
-  updated in place, lanes/readback.py), as the engine's rounds read since session 24.
+- host input and read: both, as a round does.
 
 The regimes run in turns (`--turns`, the order rotating), each for `--iterations`
 iterations under torch.profiler. Per regime, medians over turns: kernels and device
@@ -52,9 +50,8 @@ import mlx.core as mx
 
 from bench.kernel_counts import tally
 from bench.provenance import markdown_line, provenance, spread, write_result
-from lanes.readback import Readback
 
-REGIMES = ("device", "host input", "cached host input", "scalar host input", "host read", "host input and read", "readback")
+REGIMES = ("device", "host input", "cached host input", "scalar host input", "host read", "host input and read")
 WIDTH = 16  # rows per lane: a verify window's bucket
 CAPACITY = 4096  # positions per slot in the gathered table
 HEADS = 2
@@ -71,7 +68,6 @@ class Iterations:
         self.slots = mx.arange(lanes, dtype=mx.int32)
         self.table = mx.arange(lanes * HEADS * CAPACITY, dtype=mx.int32)
         self.step = 0
-        self.readback = Readback()
         mx.eval(self.device_offsets, self.cached_offsets, self.slots, self.table)
 
     def offsets(self, regime: str) -> mx.array:
@@ -96,10 +92,6 @@ class Iterations:
     def run(self, regime: str) -> list[int] | None:
         """One iteration, evaluated; its ids read to the host where the regime reads."""
         ids = self.ids(self.offsets(regime))
-        if regime == "readback":
-            posted = self.readback.post([ids])
-            mx.eval(self.readback.pending(posted))
-            return self.readback.read(posted)[0].tolist()
         mx.eval(ids)
         return ids.tolist() if regime.endswith("read") else None
 

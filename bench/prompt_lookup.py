@@ -25,7 +25,6 @@ class LookupProposal:
     tokens: mx.array
     confidences: mx.array
     logits: mx.array | None  # None when the lane core asks for no chain logits
-    faults: mx.array  # [N] zeros: a looked-up proposal has no faults
 
     def arrays(self) -> list[mx.array]:
         return [self.tokens, self.confidences] + ([self.logits] if self.logits is not None else [])
@@ -66,7 +65,7 @@ class PromptLookupDrafter:
     def kv_bytes_in_use(self) -> int:
         return 0
 
-    def validate(self, proposal, faults: list[int] | None = None) -> list[None]:
+    def validate(self, proposal) -> list[None]:
         return [None] * proposal.tokens.shape[0]
 
     def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> LookupProposal:
@@ -78,7 +77,7 @@ class PromptLookupDrafter:
             scores.append([1.0] * len(found) + [0.0] * (g - len(found)))
         tokens_arr = mx.array(tokens, dtype=mx.int32)
         peaked = mx.where(mx.arange(self.vocab_size)[None, None, :] == tokens_arr[:, :, None], 30.0, 0.0) if chain_logits else None
-        return LookupProposal(tokens_arr, mx.array(scores, dtype=mx.float32), peaked, mx.zeros((len(lanes),), mx.int32))
+        return LookupProposal(tokens_arr, mx.array(scores, dtype=mx.float32), peaked)
 
     def lookup(self, sequence: list[int], g: int) -> list[int]:
         """Up to g tokens that followed the latest earlier match of the longest suffix."""

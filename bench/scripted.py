@@ -86,10 +86,6 @@ class ScriptedProposal:
     confidences: mx.array
     real: object  # the real forward's proposal: evaluated with this one, and validated
 
-    @property
-    def faults(self) -> mx.array:
-        return self.real.faults
-
     def arrays(self) -> list[mx.array]:
         return [self.tokens, self.confidences, *self.real.arrays()]
 
@@ -162,9 +158,9 @@ class ScriptedDrafter:
         self.drafter.restore_context(lane, tokens, *rows)
         self._history[lane.slot] = list(tokens)
 
-    def validate(self, proposal: ScriptedProposal, faults: list[int] | None = None) -> list:
+    def validate(self, proposal: ScriptedProposal) -> list:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
-        return self.drafter.validate(proposal.real, faults)
+        return self.drafter.validate(proposal.real)
 
     def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> ScriptedProposal:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.

@@ -70,7 +70,6 @@ class Target(Protocol):
 class Proposal(Protocol):
     tokens: mx.array  # [N, g] drafts
     confidences: mx.array | None  # [N, g] chance each survives given the ones before it did
-    faults: mx.array  # [N] int32 bits, which the drafter's `validate` reads (0: none)
 
     def arrays(self) -> list[mx.array]:
         """What to evaluate together before reading the proposal."""
@@ -97,9 +96,8 @@ class Drafter(Protocol):
         (`chain_logits=False`: without the chain's [N, g, V] logits; `confidences=False`:
         the caller will not read the confidences, which may then be None)."""
 
-    def validate(self, proposal: Proposal, faults: list[int] | None = None) -> list[Exception | None]:
-        """Per lane: None when its drafts may be verified, else the error that makes its round
-        plain. `faults`: the proposal's fault bits as the host read them (else read here)."""
+    def validate(self, proposal: Proposal) -> list[Exception | None]:
+        """Per lane: None when its drafts may be verified, else the error that makes its round plain."""
 
     def state_arrays(self) -> list[mx.array]: ...
     def kv_bytes(self) -> int: ...

@@ -31,7 +31,6 @@ from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
 from .lookup import MAX_NGRAM, NgramIndex, check_min_ngram
 from .penalty import SeenTokens, mark, penalize
-from .readback import Posted, Readback
 from .pricing import CostTable, CountedChances, NoCostData, chain_chances, plan_depths
 from .sampling import choose, row_keys
 from .verify import Window, row_choices
@@ -79,12 +78,6 @@ def drafter_pick(lanes: list[Lane], width: int, seen: SeenTokens):
     return pick
 
 
-def proposal_reads(proposal) -> list[mx.array]:
-    """What the host reads of a proposal: its tokens, fault bits, and confidences where
-    it has them."""
-    return [proposal.tokens, proposal.faults, *([proposal.confidences] if proposal.confidences is not None else [])]
-
-
 def packed_taps(pieces: list[tuple[mx.array, int, int]]) -> mx.array:
     """Rows `start..stop-1` of each piece's round taps, one piece after another (lazy):
     one gather where every piece comes from the same round's taps, as after a drafted
@@ -104,7 +97,6 @@ class PlainDispatch:
     lanes: list[Lane]
     out: object  # the target's RoundOutput
     tokens: mx.array  # lazy [N] choices
-    posted: Posted  # the tokens, in the readback
     anchors: list[int] | None  # host ids of the rows fed (known once the round before lands)
     started: float
     pipelined: bool
@@ -182,7 +174,6 @@ class RoundRunner:
         self.price_live = draft_width is None and (not self.steady_shapes if price_live is None else price_live)
         self._inflight: PlainDispatch | None = None
         self._last_landing = 0.0
-        self.readback = Readback()
         check_min_ngram(prompt_lookup)
         self.prompt_lookup = prompt_lookup if drafter is not None else 0
         if drafter is not None:
@@ -346,13 +337,10 @@ class RoundRunner:
         tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)
         logprobs = logprob_arrays(out.logits, tokens, [lane.request.logprobs for lane in lanes])
         self.target.commit(out, [1] * len(lanes))
-        posted = self.readback.post([tokens])
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
         # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
-        mx.async_eval(self.readback.pending(posted), tokens, *logprobs, *([out.taps] if out.taps is not None else []),
-                      *self.target.state_arrays())
-        return PlainDispatch(lanes, out, tokens, posted, None if lag else list(anchors), started, pipelined=bool(lag),
-                             logprobs=logprobs)
+        mx.async_eval(tokens, *logprobs, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
+        return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag), logprobs=logprobs)
 
     def _settle_inflight(self) -> None:
         """Wait for the plain round in flight to run, and note when it had: work evaluated
@@ -372,7 +360,7 @@ class RoundRunner:
 
     def _land(self, dispatch: PlainDispatch) -> tuple[list, list[int]]:
         """Read a dispatched round's tokens, emit them, account for the round."""
-        tokens = self.readback.read(dispatch.posted)[0].tolist()
+        tokens = dispatch.tokens.tolist()
         logprobs = read_logprobs(dispatch.logprobs, tokens, [lane.request.logprobs for lane in dispatch.lanes])
         events = []
         for i, (lane, token, logprob) in enumerate(zip(dispatch.lanes, tokens, logprobs)):
@@ -420,12 +408,10 @@ class RoundRunner:
         windows = self._windows(lanes, drafting, drafts, depths)
         ends.append(self.clock())
         out, choices = self._verify(lanes, windows, drafting, drafts, proposal)
-        posted = self.readback.post([choices.choices, *(proposal_reads(proposal) if proposal is not None else ())])
         ends.append(self.clock())
-        # The round's one host sync.
-        mx.eval(self.readback.pending(posted), *choices.arrays(), *(proposal.arrays() if proposal is not None else ()))
+        mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))  # the round's one host sync
         ends.append(self.clock())
-        outcomes = self._outcomes(choices, proposal, lanes, windows, drafting, drafts, self.readback.read(posted))
+        outcomes = self._outcomes(choices, proposal, lanes, windows, drafting, drafts)
         ends.append(self.clock())
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
         ends.append(self.clock())
@@ -452,14 +438,12 @@ class RoundRunner:
         # the confidences only where they price this round.
         proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
                                         drafter_pick(asked, g, self.seen), chain_logits=False, confidences=self.price_live)
-        posted = self.readback.post(proposal_reads(proposal)) if self.price_live else None
-        (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays(),
-                                                          *([self.readback.pending(posted)] if posted else [])])
+        (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays()])
         self._draft_seconds = self.clock() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}
         drafts = [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting]
         if self.price_live:
-            self._read(proposal, self.readback.read(posted), drafting, drafts)
+            self._read(proposal, drafting, drafts)
             return drafts, None
         return drafts, proposal
 
@@ -468,15 +452,14 @@ class RoundRunner:
         after an n-token match), as counted for lanes of this lane's kind."""
         return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))
 
-    def _read(self, proposal, host: list, drafting: list[Lane], drafts: list[Draft]) -> dict[int, list[int]]:
-        """Fill the unread drafts from the drafter's proposal, as read to the `host`
-        (`proposal_reads`): tokens, raw confidences (and, read before pricing, calibrated
-        chances), and the problem of a lane whose proposal is unusable (none of its drafts
-        is kept). Returns the usable drafts it read, by lane id."""
-        tokens, faults, *confidences = host
-        problems = self.drafter.validate(proposal, faults.tolist())
-        tokens = tokens.tolist()
-        confidences = confidences[0].tolist() if confidences else [[1.0] * self.proposals] * len(tokens)
+    def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> dict[int, list[int]]:
+        """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw
+        confidences (and, read before pricing, calibrated chances), and the problem of a
+        lane whose proposal is unusable (none of its drafts is kept). Returns the usable
+        drafts it read, by lane id."""
+        problems = self.drafter.validate(proposal)
+        tokens = proposal.tokens.tolist()
+        confidences = proposal.confidences.tolist() if proposal.confidences is not None else [[1.0] * self.proposals] * len(tokens)
         read = {}
         for lane, draft in zip(drafting, drafts):
             if draft.row is None:
@@ -588,16 +571,15 @@ class RoundRunner:
         return out, row_choices(out.logits, out.row_starts, windows, self._seen_rows(lanes, windows, out, fed))
 
     def _outcomes(self, choices, proposal, lanes: list[Lane], windows: list[Window], drafting: list[Lane],
-                  drafts: list[Draft], host: list) -> list:
-        """Once the verify is evaluated and read to the `host` (the choices, then the
-        `proposal_reads`): the drafts the proposal held (into their windows) and each
-        lane's outcome."""
+                  drafts: list[Draft]) -> list:
+        """Once the verify is evaluated: the drafts the proposal held (into their windows)
+        and each lane's outcome."""
         if proposal is not None:
-            read = self._read(proposal, host[1:], drafting, drafts)
+            read = self._read(proposal, drafting, drafts)
             for lane, w in zip(lanes, windows):
                 if id(lane) in read:
                     w.drafts = read[id(lane)][: w.depth]
-        return choices.accept(host[0].tolist())
+        return choices.accept()
 
     def _fed_rows(self, lanes: list[Lane], windows: list[Window], widths: list[int], drafting: list[Lane],
                   drafts: list[Draft], proposal) -> mx.array:

@@ -66,11 +66,10 @@ class RowChoices:
     def arrays(self) -> list[mx.array]:
         return [self.choices, *self.logprobs]
 
-    def accept(self, chosen: list[int] | None = None) -> list[Outcome]:
+    def accept(self) -> list[Outcome]:
         """Each lane's outcome: it keeps its drafts while each equals the target's choice
-        on the row before it, and emits the choices of rows 0..accepted. `chosen`: the
-        choices as the host read them (read here if not given)."""
-        chosen = self.choices.tolist() if chosen is None else chosen
+        on the row before it, and emits the choices of rows 0..accepted."""
+        chosen = self.choices.tolist()
         per_row = read_logprobs(self.logprobs, chosen, self.wanted)
         outcomes = []
         for start, w in zip(self.row_starts, self.windows):

@@ -86,12 +86,11 @@ def draft_faults(tokens: mx.array, confidences: mx.array | None, logits: mx.arra
     return (faults | mx.where(outside, ID_OUT_OF_RANGE, 0)).astype(mx.int32)
 
 
-def validate_proposal(proposal: Proposal, faults: list[int] | None = None) -> list[DraftError | None]:
+def validate_proposal(proposal: Proposal) -> list[DraftError | None]:
     """One entry per lane: None when its drafts may be verified, else the DraftError
     that fails its round. Never raises, so one bad lane leaves the others drafting.
-    `faults`: the proposal's fault bits as the host read them; read here if not given
-    (a host sync unless the proposal's arrays were evaluated)."""
-    faults = proposal.faults.tolist() if faults is None else faults
+    Reads `faults` (a host sync unless the proposal's arrays were evaluated)."""
+    faults = proposal.faults.tolist()
     errors: list[DraftError | None] = []
     for lane, fault in enumerate(faults):
         reasons = []
@@ -189,9 +188,9 @@ class DSparkDrafter:
         put_stacked_rows(self.kv, lane.slot, keys, values)
         lane.length = keys.shape[2]
 
-    def validate(self, proposal: Proposal, faults: list[int] | None = None) -> list[DraftError | None]:
+    def validate(self, proposal: Proposal) -> list[DraftError | None]:
         """Per-lane problems of an evaluated proposal (see `validate_proposal`)."""
-        return validate_proposal(proposal, faults)
+        return validate_proposal(proposal)
 
     def state_arrays(self) -> list[mx.array]:
         """Every pool array, to evaluate appended context together with a round's outputs."""
