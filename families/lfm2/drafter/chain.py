@@ -216,7 +216,7 @@ class SteppedGreedyChain:
                 inputs=[base, anchors, best, tokens, self.w1, self.w2t],
                 template=[("V", vocab), ("R", self.rank), ("G", width), ("N", lanes), ("K", k)],
                 grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-                output_shapes=[(lanes,), (lanes, width)], output_dtypes=[mx.uint64, mx.int32], init_value=0)
+                output_shapes=[(lanes,), (lanes, width)], output_dtypes=[mx.uint64, mx.int32], init_value=0.0)
         return tokens
 
 
