@@ -126,7 +126,7 @@ __device__ inline unsigned long long score_key(float score, unsigned int id) {{
     bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
     return ((unsigned long long)bits << 32) | (0xFFFFFFFFu - id);
 }}
-// The winning id of a key, 0 where no score was finite (the lane's faults say so).
+// The winning id of a key, 0 where every score was NaN (the lane's faults say so).
 __device__ inline int key_id(unsigned long long key, int vocab) {{
     unsigned int id = 0xFFFFFFFFu - (unsigned int)(key & 0xFFFFFFFFull);
     return key != 0ull && id < (unsigned int)vocab ? (int)id : 0;
