@@ -122,7 +122,7 @@ _STEP_HEADER = f"""
 // Order-preserving bits of a score above (id's complement) below: the largest key is the
 // highest score, and among equal scores the lowest id. 0 is below every key: no score.
 __device__ inline unsigned long long score_key(float score, unsigned int id) {{
-    unsigned int bits = __float_as_uint(score);
+    unsigned int bits = __float_as_uint(score == 0.0f ? 0.0f : score);  // -0 ties with 0, as in argmax
     bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
     return ((unsigned long long)bits << 32) | (0xFFFFFFFFu - id);
 }}
