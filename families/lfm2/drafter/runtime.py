@@ -21,7 +21,7 @@ from ..cache import (
     stacked_rows,
 )
 from ..model import Lfm2Model, serve_linears_by_rows
-from .chain import greedy_chain
+from .chain import FusedGreedyChain
 from .model import DSparkModel
 
 # Proposals round their key span up to this many rows (see RaggedLayout).
@@ -119,8 +119,8 @@ class DSparkDrafter:
         """`compiled`: context appends and proposals run as compiled functions, one trace
         per shape (see target.py). `by_rows`: a few rows times the weights without cuBLASLt
         (see families.lfm2.model.row_products); None: where the
-        backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as CUDA
-        kernels (`chain.greedy_chain`, where the Markov head is unquantized; set
+        backend plans per shape (CUDA). On CUDA a greedy proposal's chain runs as one
+        kernel (`chain.FusedGreedyChain`, where the Markov head is unquantized; set
         `fused_chain` to None before the first proposal to run it as operations)."""
         self.model = model
         self.config = model.config
@@ -140,7 +140,8 @@ class DSparkDrafter:
                 attn = layer.self_attn
                 attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
         markov = model.markov_head
-        self.fused_chain = greedy_chain(markov.markov_w1, markov.markov_w2) if cuda.available() else None
+        serves = cuda.available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
+        self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
         self.compiled = compiled
         self._segments = Traces(self._traced_segment, limit=1024)  # segments x lane counts x widths
         self._contexts = Traces(lambda rows: self._context_keys_values)
@@ -325,7 +326,7 @@ class DSparkDrafter:
         markov = self.model.markov_head
         scoring = cfg.enable_confidence_head and want_confidences
         base = self.tied_logits(h)  # U_k: row k proposes x_{k+1}
-        if pick is None and not keep_logits and self.fused_chain is not None and self.fused_chain.takes(h.shape[0]):
+        if pick is None and not keep_logits and self.fused_chain is not None:
             tokens_arr, logits_arr = self.fused_chain(base, anchors), None
             prev_rows = lambda: markov.markov_w1(mx.concatenate([anchors[:, None], tokens_arr[:, :-1]], axis=1))
         else:
