@@ -9,6 +9,7 @@ handles (`LaneCache`) and reads nothing of a forward's output but what is named 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -18,6 +19,16 @@ class LaneCache(Protocol):
     """A lane's place in a model's caches."""
 
     length: int  # tokens committed (target) or rows of context (drafter)
+
+
+@dataclass(frozen=True)
+class DeviceLengths:
+    """Lanes' committed lengths as the device holds them, after a round whose kept rows
+    the host has not read: `lengths [N]` int32 (lane order) and a host upper bound on
+    each. A round built on them runs while the host reads the one before."""
+
+    lengths: mx.array
+    bounds: tuple[int, ...]
 
 
 class RoundOutput(Protocol):
@@ -38,18 +49,30 @@ class Target(Protocol):
     def close_lane(self, lane: LaneCache) -> None: ...
 
     def forward(self, lanes: list[LaneCache], tokens: list[list[int]] | mx.array, *, logits: str = "all",
-                taps: tuple[int, ...] = (), key_bucket: int = 1) -> RoundOutput:
-        """Lane i feeds `tokens[i]` at its next positions (or, given a lazy [N] array, one
-        row each); nothing is kept until `commit`."""
+                taps: tuple[int, ...] = (), key_bucket: int = 1, widths: list[int] | None = None,
+                at: DeviceLengths | None = None) -> RoundOutput:
+        """Lane i feeds `tokens[i]` at its next positions (or, given a lazy packed array,
+        `widths[i]` rows each, one by default; `at`: from lengths only the device knows);
+        nothing is kept until `commit` (or `keep`, then `count`)."""
 
     def commit(self, output: RoundOutput, kept: list[int]) -> None:
         """Keep the first `kept[i]` rows of lane i; drop the rest."""
+
+    def keep(self, output: RoundOutput, kept: list[int] | mx.array) -> None:
+        """The device's half of `commit`: the caches as they are after the kept rows,
+        `kept` possibly an array the host has not read."""
+
+    def count(self, output: RoundOutput, kept: list[int]) -> None:
+        """The host's half of `commit`, once the kept rows are read: the lanes' lengths."""
 
     def state_arrays(self) -> list[mx.array]:
         """Every cache array, to evaluate a round's writes with its outputs."""
 
     def plans_per_shape(self) -> bool:
         """Whether the backend builds a plan per new shape (rounds then pad to steady shapes)."""
+
+    def runs_behind_host(self) -> bool:
+        """Whether the device evaluates launched work while the host goes on (rounds may then overlap)."""
 
     def row_bucket(self, rows: int, ceiling: int | None = None) -> int:
         """The steady row count `rows` pads to where shapes are kept steady."""
@@ -90,11 +113,20 @@ class Drafter(Protocol):
         """Add newly committed rows (their taps, per lane or every lane's in one array,
         and token ids) to each lane's context."""
 
-    def propose(self, lanes: list[LaneCache], anchors: list[int], width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
+    def append_window(self, lanes: list[LaneCache], taps: mx.array, width: int, at: DeviceLengths) -> None:
+        """Add each lane's `width` rows of a verify round (its taps, lane after lane) at
+        its device-held length, before the host knows how many it kept."""
+
+    def landed(self, lanes: list[LaneCache], tokens: list[list[int]]) -> None:
+        """The committed tokens of the rows `append_window` added, once read: the lanes'
+        contexts grow by them."""
+
+    def propose(self, lanes: list[LaneCache], anchors: list[int] | mx.array, width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True, confidences: bool = True, at: DeviceLengths | None = None) -> Proposal:
         """Draft `width` tokens after each lane's anchor, all lanes in one lazy forward
         (`chain_logits=False`: without the chain's [N, g, V] logits; `confidences=False`:
-        the caller will not read the confidences, which may then be None)."""
+        the caller will not read the confidences, which may then be None; anchors as an
+        array and `at`: the device's, after a round the host has not read)."""
 
     def validate(self, proposal: Proposal) -> list[Exception | None]:
         """Per lane: None when its drafts may be verified, else the error that makes its round plain."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -59,11 +60,6 @@ class Traces:
         return list(self._compiled)
 
 
-def key_span(offsets: list[int], width: int, key_bucket: int = 1) -> int:
-    """Keys a round attends: the furthest row any lane reaches, rounded up to `key_bucket`."""
-    return -(-max(o + width for o in offsets) // key_bucket) * key_bucket
-
-
 class RaggedLayout:
     """Where each lane's rows sit in a round.
 
@@ -74,9 +70,11 @@ class RaggedLayout:
     """
 
     def __init__(self, widths: list[int], offsets: list[int] | None, key_bucket: int = 1, *,
-                 offsets_array: mx.array | None = None):
-        """`offsets` are each lane's first position, as host ints; a compiled segment
-        knows them only as `offsets_array` (traced), and attends no keys (no span)."""
+                 offsets_array: mx.array | None = None, reach: int | None = None):
+        """`offsets` are each lane's first position, as host ints. Where only the device
+        knows them (`offsets_array`: a compiled segment's traced offsets, or lengths a
+        round in flight has not reported), `reach` bounds the furthest row any lane
+        reaches, for the key span; a compiled segment attends no keys (no span)."""
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
@@ -93,7 +91,9 @@ class RaggedLayout:
         # rounded up to `key_bucket` (keys past a lane's rows are masked). Rounding keeps
         # attention shapes steady from round to round, so a backend that builds kernels
         # or plans per shape builds them once per bucket, not once per round.
-        self.span = None if offsets is None else key_span(self.offsets, self.width, key_bucket)
+        if offsets is not None:
+            reach = max(o + self.width for o in self.offsets)
+        self.span = None if reach is None else -(-reach // key_bucket) * key_bucket
         # Index arrays and masks every layer of the round shares, built once.
         self._shared: dict = {}
         if not self.uniform:
@@ -168,6 +168,16 @@ class LaneSlot:
     slot: int
     length: int = 0
     conv_at: dict[int, mx.array] = field(default_factory=dict)
+
+
+class DeviceLengths(Protocol):
+    """Lanes' committed lengths as the device holds them, where a round the host has not
+    read yet decided how many rows each lane kept: `lengths [N]` (int32, in the order the
+    lanes are given) and a host upper bound on each, which sizes the key span and the
+    pools. (The lane core passes its own dataclass of this shape.)"""
+
+    lengths: mx.array
+    bounds: tuple[int, ...]
 
 
 class KVPool:

@@ -25,6 +25,7 @@ import mlx.core as mx
 from . import conv_kernel
 from .cache import (
     ConvPool,
+    DeviceLengths,
     KVPool,
     LaneSlot,
     RaggedLayout,
@@ -139,6 +140,13 @@ class Lfm2Target:
         return plans_per_shape()
 
     @staticmethod
+    def runs_behind_host() -> bool:
+        """Whether the device evaluates what the host launched while the host goes on (a
+        GPU's queue), so a round built while another runs costs no wait. On the CPU
+        `async_eval` evaluates as it launches."""
+        return mx.default_device().type == mx.DeviceType.gpu
+
+    @staticmethod
     def row_bucket(rows: int, ceiling: int | None = None) -> int:
         """The steady row count that `rows` pads to (see cache.row_bucket)."""
         return row_bucket(rows, ceiling)
@@ -157,26 +165,34 @@ class Lfm2Target:
         taps: tuple[int, ...] = (),
         key_bucket: int = 1,
         widths: list[int] | None = None,
+        at: DeviceLengths | None = None,
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
         `tokens` may also be a lazy array of the packed rows, lane after lane, lane i
         feeding `widths[i]` rows (one each by default): a round fed with choices or drafts
         the host has not read. `logits` is "all" (every row) or "last" (each lane's last
         row); `taps` are the layers whose residuals a drafter reads; `key_bucket` rounds
-        the attention's key span up (see RaggedLayout)."""
+        the attention's key span up (see RaggedLayout). `at`: the lanes' lengths as the
+        device holds them, where a round in flight has not reported what it kept (the
+        rows then go at `at.lengths[i] ...`; `keep` such a round, then `count` it once
+        read)."""
         lazy = isinstance(tokens, mx.array)
         if not lazy:
             widths = [len(t) for t in tokens]
         elif widths is None:
             widths = [1] * len(lanes)
-        offsets = [lane.length for lane in lanes]
-        furthest = max(o + w for o, w in zip(offsets, widths))
+        bounds = [lane.length for lane in lanes] if at is None else list(at.bounds)
+        furthest = max(b + w for b, w in zip(bounds, widths))
         if furthest > self.context_limit:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
         slots = [lanes[i].slot for i in order]
-        layout = RaggedLayout([widths[i] for i in order], [offsets[i] for i in order], key_bucket)
+        if at is None:
+            layout = RaggedLayout([widths[i] for i in order], [bounds[i] for i in order], key_bucket)
+        else:
+            lengths = at.lengths if order == sorted(order) else at.lengths[mx.array(order, dtype=mx.int32)]
+            layout = RaggedLayout([widths[i] for i in order], None, key_bucket, offsets_array=lengths, reach=furthest)
         for pool in self.kv.values():
             pool.reserve(layout.span)
         row_starts, position = [], 0
@@ -273,39 +289,57 @@ class Lfm2Target:
     def commit(self, output: RoundOutput, kept: list[int]) -> None:
         """Keep the first `kept[i]` rows of lane i (caller order); drop the rest."""
         record = output.record
-        kept_sorted = [kept[i] for i in record.order]
-        for lane, k, w in zip(record.lanes, kept_sorted, record.layout.widths):
+        for lane, k, w in zip(record.lanes, (kept[i] for i in record.order), record.layout.widths):
             if not 1 <= k <= w:
                 raise ValueError(f"a lane keeps {k} of {w} rows; it must keep between 1 and all")
-        if self.boundary_every:
-            self._record_boundaries(record, kept_sorted)
-        for lane, k in zip(record.lanes, kept_sorted):
-            lane.length += k
+        self.keep(output, kept)
+        self.count(output, kept)
+
+    def keep(self, output: RoundOutput, kept: list[int] | mx.array) -> None:
+        """The device's half of `commit`: each conv state as it is after lane i's first
+        `kept[i]` rows (caller order). `kept` may be an array the host has not read, each
+        count within 1..the lane's rows; `count` the round once it is."""
+        record = output.record
         self._conv_version += 1
+        if isinstance(kept, mx.array):
+            kept_sorted = kept if record.order == sorted(record.order) else kept[mx.array(record.order, dtype=mx.int32)]
+            kept_sorted = kept_sorted.astype(mx.int32)
+        else:
+            kept_sorted = [kept[i] for i in record.order]
         if record.conv_kept and record.conv_version == self._conv_version - 1:
-            # A one-row round, committed before any other change to the conv pools: its
+            # A one-row round, kept before any other change to the conv pools: its
             # forward already built each pool with every row kept.
             for i, state in record.conv_kept.items():
                 self.conv[i].state = state
             return
         span = self.config.conv_kernel - 1
         layers = list(record.conv_windows)
+        kept_array = kept_sorted if isinstance(kept_sorted, mx.array) else mx.array(kept_sorted, dtype=mx.int32)
         if layers and all(self.model.layers[i].conv.by_kernel for i in layers):
             states = conv_kernel.kept_states([record.conv_windows[i] for i in layers], [self.conv[i].state for i in layers],
-                                             record.layout.slot_ids([lane.slot for lane in record.lanes]),
-                                             mx.array(kept_sorted, dtype=mx.int32))
+                                             record.layout.slot_ids([lane.slot for lane in record.lanes]), kept_array)
             for i, state in zip(layers, states):
                 self.conv[i].state = state
         elif layers:
-            if all(k == record.layout.width for k in kept_sorted):
+            if not isinstance(kept_sorted, mx.array) and all(k == record.layout.width for k in kept_sorted):
                 pick = None
             else:
                 # The state after keeping k rows: window rows k .. k + L-2.
-                pick = (mx.array(kept_sorted, dtype=mx.int32)[:, None] + mx.arange(span, dtype=mx.int32))[:, :, None]
+                pick = (kept_array[:, None] + mx.arange(span, dtype=mx.int32))[:, :, None]
             slots = [lane.slot for lane in record.lanes]
             for i, window in record.conv_windows.items():
                 state = window[:, -span:] if pick is None else mx.take_along_axis(window, pick, axis=1)
                 self.conv[i].write(slots, record.layout, state)
+
+    def count(self, output: RoundOutput, kept: list[int]) -> None:
+        """The host's half of `commit`: each lane's length grows by the rows it kept (and
+        its conv states at the block boundaries they cross are recorded)."""
+        record = output.record
+        kept_sorted = [kept[i] for i in record.order]
+        if self.boundary_every:
+            self._record_boundaries(record, kept_sorted)
+        for lane, k in zip(record.lanes, kept_sorted):
+            lane.length += k
 
     def _record_boundaries(self, record: RoundRecord, kept: list[int]) -> None:
         """Keep each lane's conv states at the block boundaries its kept rows cross: after

@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from .. import attention_kernel, cuda
 from ..cache import (
+    DeviceLengths,
     KVPool,
     LaneSlot,
     RaggedLayout,
@@ -229,14 +230,38 @@ class DSparkDrafter:
         if pad:
             rows = mx.concatenate([rows, mx.repeat(rows[-1:], pad, axis=0)], axis=0)
         layout = RaggedLayout([1] * len(positions), positions)
-        slot_ids = layout.slot_ids(slots)
-        context = self._contexts(len(positions)) if self.compiled else self._context_keys_values
+        self._write_context(layout, layout.slot_ids(slots), rows)
+        for lane, count in zip(lanes, counts):
+            lane.length += count
+
+    def append_window(self, lanes: list[LaneSlot], taps: mx.array, width: int, at: DeviceLengths) -> None:
+        """Add a verify round's rows to each lane's context before the host knows how many
+        it kept: lane i's `width` tap rows (`taps [N * width, n_taps * H_target]`, lane
+        after lane) go at positions `at.lengths[i] ...`. The rows past what a lane keeps
+        lie beyond its new length: no proposal reads them (a block sees its context and
+        itself), and the lane's next block and append write over them. `landed` counts
+        the kept rows once the host has read them. Lazy."""
+        n = len(lanes)
+        if taps.shape[0] != n * width:
+            raise ValueError(f"drafter slots {[lane.slot for lane in lanes]}: {taps.shape[0]} tap rows for {n} windows of {width}")
+        positions = (at.lengths[:, None] + mx.arange(width, dtype=mx.int32)[None, :]).reshape(-1)
+        slots = [lane.slot for lane in lanes for _ in range(width)]
+        layout = RaggedLayout([1] * len(slots), None, offsets_array=positions, reach=max(at.bounds) + width)
+        self._write_context(layout, layout.slot_ids(slots), taps)
+
+    def landed(self, lanes: list[LaneSlot], tokens: list[list[int]]) -> None:
+        """The host has read which rows of an `append_window` each lane kept: its
+        committed `tokens[i]` (their count is what the lane's context grew by)."""
+        for lane, ids in zip(lanes, tokens, strict=True):
+            lane.length += len(ids)
+
+    def _write_context(self, layout: RaggedLayout, slot_ids: mx.array, rows: mx.array) -> None:
+        """Every row of `rows`, its own one-row lane of `layout`, into the pools."""
+        context = self._contexts(layout.lanes) if self.compiled else self._context_keys_values
         keys_values = context(rows, layout.offsets_array)
         for j, pool in enumerate(self.kv):
             pool.reserve(layout.span)
             pool.write(slot_ids, layout, keys_values[2 * j], keys_values[2 * j + 1])
-        for lane, count in zip(lanes, counts):
-            lane.length += count
 
     def _context_keys_values(self, rows: mx.array, positions: mx.array) -> list[mx.array]:
         """Context rows `[R, n_taps * H_target]` at their positions -> each layer's roped
@@ -244,10 +269,12 @@ class DSparkDrafter:
         c = self.model.context(rows.astype(self.dtype))[:, None, :]  # [R, 1, H]
         return [a for layer in self.model.layers for a in layer.self_attn.keys_values(c, positions)]
 
-    def propose(self, lanes: list[LaneSlot], anchors: list[int], width: int | None = None, pick: Pick | None = None,
-                *, chain_logits: bool = True, confidences: bool = True) -> Proposal:
+    def propose(self, lanes: list[LaneSlot], anchors: list[int] | mx.array, width: int | None = None, pick: Pick | None = None,
+                *, chain_logits: bool = True, confidences: bool = True, at: DeviceLengths | None = None) -> Proposal:
         """Draft `width` tokens after each lane's anchor (the last token the target
-        emitted, at position `lane.length`), all lanes in one lazy forward.
+        emitted, at position `lane.length`), all lanes in one lazy forward. The anchors
+        may be an array the host has not read, and `at` the lanes' lengths as the device
+        holds them (see `append_window`).
 
         `pick(logits [N, V], k) -> tokens [N]` chooses x_{k+1} from the chain logits of
         row k (argmax when None); the lane core passes its sampler for temperature > 0.
@@ -261,21 +288,24 @@ class DSparkDrafter:
         if len(anchors) != len(lanes):
             raise ValueError(f"{len(lanes)} lanes but {len(anchors)} anchors")
         n = len(lanes)
-        lengths = [lane.length for lane in lanes]
         slots = [lane.slot for lane in lanes]
-        layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
+        if at is None:
+            lengths = [lane.length for lane in lanes]
+            layout = RaggedLayout([g] * n, lengths, KEY_BUCKET)
+        else:
+            layout = RaggedLayout([g] * n, None, KEY_BUCKET, offsets_array=at.lengths, reach=max(at.bounds) + g)
         for pool in self.kv:
             pool.reserve(layout.span)
         # No causal mask inside the block: each lane sees its context and its whole block;
         # only keys past its own block (other lanes' longer contexts, the bucket's
         # rounding) are hidden.
         mask = None
-        if layout.span != lengths[0] + g or len(set(lengths)) > 1:
+        if at is not None or layout.span != lengths[0] + g or len(set(lengths)) > 1:
             visible = mx.arange(layout.span, dtype=mx.int32)[None, :] < (layout.offsets_array + g)[:, None]
             mask = visible[:, None, None, :]
         # The block runs as segments between its layers' attention cores (see target.py);
         # with a pick (a host callable) the chain runs after the last, eagerly.
-        anchors_array = mx.array(anchors, dtype=mx.int32)
+        anchors_array = anchors.astype(mx.int32) if isinstance(anchors, mx.array) else mx.array(anchors, dtype=mx.int32)
         h, attended, last = anchors_array, None, len(self.kv)
         for j in range(last + 1):
             args = [h, *([attended] if j else []), *([anchors_array] if j == last else []), layout.offsets_array]
