@@ -7,6 +7,10 @@ surviving with the chance a `SurvivalProfile` gives for its position (and, optio
 the lane's context length); a draft that is meant to fail is replaced by a token the
 target will reject. Its confidences are the profile's chances, so pricing sees a
 calibrated head. The target still verifies every draft, so output stays exact.
+
+A proposal from anchors only the device knows (an overlapped round, lanes/round.py) is
+looked up on the device in a table of every recorded position's scripted block, the
+same block the host would script there: the host is never asked for the anchor.
 """
 
 from __future__ import annotations
@@ -83,11 +87,11 @@ def uniform_draws(keys: Sequence[int], count: int) -> np.ndarray:
 @dataclass
 class ScriptedProposal:
     tokens: mx.array
-    confidences: mx.array
+    confidences: mx.array | None  # None from the device's table (rounds that read none)
     real: object  # the real forward's proposal: evaluated with this one, and validated
 
     def arrays(self) -> list[mx.array]:
-        return [self.tokens, self.confidences, *self.real.arrays()]
+        return [self.tokens, *([self.confidences] if self.confidences is not None else []), *self.real.arrays()]
 
 
 class ScriptedDrafter:
@@ -103,6 +107,11 @@ class ScriptedDrafter:
         self._known: set[tuple[int, ...]] = set()
         self._history: dict[int, list[int]] = {}
         self._match: dict[int, int] = {}  # slot -> index of its recorded sequence
+        # The device's table of scripted blocks (see `_device_blocks`): row base[i] + n is
+        # sequence i's block after its first n tokens; row 0 scripts nothing.
+        self._tables: tuple[mx.array, mx.array] | None = None
+        self._table_width = 0
+        self._bases: list[int] = []
         for sequence in sequences:
             self.record(sequence)
 
@@ -151,6 +160,14 @@ class ScriptedDrafter:
         for lane, ids in zip(lanes, tokens):
             self._history[lane.slot] += ids
 
+    def append_window(self, lanes, taps, width: int, at) -> None:
+        self.drafter.append_window(lanes, taps, width, at)
+
+    def landed(self, lanes, tokens) -> None:
+        self.drafter.landed(lanes, tokens)
+        for lane, ids in zip(lanes, tokens):
+            self._history[lane.slot] += ids
+
     def context_rows(self, lane, start: int, end: int):
         return self.drafter.context_rows(lane, start, end)
 
@@ -162,10 +179,12 @@ class ScriptedDrafter:
         """A lane whose real forward went non-finite fails its round as it would unscripted."""
         return self.drafter.validate(proposal.real)
 
-    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True) -> ScriptedProposal:
+    def propose(self, lanes, anchors, width=None, pick=None, *, chain_logits=True, confidences=True, at=None) -> ScriptedProposal:
         # The real forward is paid as the lane core asks for it; its drafts are replaced.
-        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences)
+        real = self.drafter.propose(lanes, anchors, width, pick, chain_logits=chain_logits, confidences=confidences, at=at)
         g = real.tokens.shape[1]
+        if isinstance(anchors, mx.array):
+            return self._device_proposal(lanes, at, g, real)
         truths, chances, keys = [], [], []  # the profile's chances stand for the confidences, cheap to give either way
         for lane, anchor in zip(lanes, anchors):
             history = self._history[lane.slot]
@@ -177,6 +196,44 @@ class ScriptedDrafter:
         survived = np.cumprod(uniform_draws(keys, g) < chances, axis=1).astype(bool)
         tokens = np.where(survived, truth, (truth + 1) % self.vocab_size)
         return ScriptedProposal(mx.array(tokens, dtype=mx.int32), mx.array(chances, dtype=mx.float32), real)
+
+    def _device_proposal(self, lanes, at, g: int, real) -> ScriptedProposal:
+        """The scripted blocks of lanes whose anchors sit at the device's lengths `at`
+        (the anchor is token n = length + 1 of the lane's sequence), gathered from the
+        device's table: each lane stays on the sequence its host proposals matched."""
+        truths, survived = self._device_blocks(g)
+        known = [lane.slot in self._match for lane in lanes]
+        bases = [self._bases[self._match[lane.slot]] if k else 0 for lane, k in zip(lanes, known)]
+        ends = [len(self._sequences[self._match[lane.slot]]) if k else 0 for lane, k in zip(lanes, known)]
+        rows = mx.array(bases, dtype=mx.int32) + mx.minimum(at.lengths + 1, mx.array(ends, dtype=mx.int32))
+        rows = mx.where(mx.array(known), rows, 0)
+        truth, kept = truths[rows], survived[rows]
+        tokens = mx.where(kept, truth, (truth + 1) % self.vocab_size)
+        return ScriptedProposal(tokens, None, real)
+
+    def _device_blocks(self, g: int) -> tuple[mx.array, mx.array]:
+        """Every recorded position's scripted block as the host would script it there
+        (`_continuation`'s tokens, the draws keyed alike), `[rows, g]` tokens and whether
+        each survives; extended as sequences are recorded."""
+        if self._tables is None or self._table_width != g:
+            self._tables, self._table_width, self._bases = (mx.zeros((1, g), dtype=mx.int32), mx.zeros((1, g), dtype=mx.bool_)), g, []
+        truths, survived = self._tables
+        rows = truths.shape[0]
+        added_truths, added_survived = [], []
+        for sequence in self._sequences[len(self._bases) :]:
+            self._bases.append(rows)
+            n = np.arange(len(sequence) + 1)  # row n: the block after the first n tokens
+            padded = np.array(sequence + [0] * g, dtype=np.int64)
+            added_truths.append(padded[n[:, None] + np.arange(g)])
+            keys = [hash((self.seed, k, *sequence[max(k - 4, 0) : k - 1], sequence[k - 1])) if k else 0 for k in range(len(n))]
+            chances = np.array([self.profile.at(k, g) for k in range(len(n))])
+            added_survived.append(np.cumprod(uniform_draws(keys, g) < chances, axis=1).astype(bool))
+            rows += len(n)
+        if added_truths:
+            truths = mx.concatenate([truths, mx.array(np.concatenate(added_truths), dtype=mx.int32)])
+            survived = mx.concatenate([survived, mx.array(np.concatenate(added_survived))])
+            self._tables = (truths, survived)
+        return truths, survived
 
     def _continuation(self, slot: int, history: list[int], anchor: int, g: int) -> list[int]:
         """The recorded tokens after history + anchor (token 0 past the recording)."""

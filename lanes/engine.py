@@ -48,6 +48,7 @@ class EngineConfig:
     prompt_lookup: int = 0  # shortest n-gram match a lane may copy drafts from (lanes/lookup.py); 0: drafter only
     steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
     price_live: bool | None = None  # price from each round's confidences (a second sync); None: where shapes are not steady
+    overlap: bool | None = None  # overlap drafted rounds of greedy lanes (lanes/round.py); None: where the device runs behind the host
     prefix_cache_bytes: int = 0  # budget of the prefix cache (lanes/prefix_cache.py); 0: no cache
     prefix_block_tokens: int = BLOCK_TOKENS
 
@@ -67,7 +68,8 @@ class Engine:
         self.drafter = drafter
         self.config = config
         self.rounds = rounds or RoundRunner(target, drafter, draft_width=config.draft_width, steady_shapes=config.steady_shapes,
-                                            prompt_lookup=config.prompt_lookup, price_live=config.price_live)
+                                            prompt_lookup=config.prompt_lookup, price_live=config.price_live,
+                                            overlap=config.overlap)
         self.prefix_cache = (PrefixCache(target, drafter, config.prefix_cache_bytes, config.prefix_block_tokens)
                              if config.prefix_cache_bytes else None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -13,6 +13,13 @@ position instead (and the drafter leaves its confidences out); where a verify's 
 grows with its rows (`price_live`, by default where shapes are not padded to steady
 buckets) the round reads the proposal first and prices from its calibrated confidences,
 at the cost of a second sync.
+
+Where the device runs behind the host (a GPU), drafted rounds of greedy lanes overlap
+as plain rounds do (`overlap`): the next round is built and launched from the anchors
+and lengths of the round before as the device holds them (its acceptance counted on
+the device), and the round before is read while the next one runs. Lanes that sample,
+penalise repeats, ask for logprobs or may copy drafts by prompt lookup need their
+tokens on the host, and take one round at a time.
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ from .logprobs import logprob_arrays, read_logprobs
 from .lookup import MAX_NGRAM, NgramIndex, check_min_ngram
 from .penalty import SeenTokens, mark, penalize
 from .pricing import CostTable, CountedChances, NoCostData, chain_chances, plan_depths
+from .protocols import DeviceLengths
 from .sampling import choose, row_keys
-from .verify import Window, row_choices
+from .verify import PADDING, Window, accepted_on_device, row_choices
 
 log = logging.getLogger("laneserve.round")
 
@@ -107,6 +115,31 @@ class PlainDispatch:
 
 
 @dataclass
+class DraftedDispatch:
+    """A drafted round of greedy lanes launched on the device whose outcome the host has
+    not read: the next round starts from its `anchors` and `lengths` on the device."""
+
+    lanes: list[Lane]
+    out: object  # the target's RoundOutput
+    proposal: object  # the drafter's, read for its faults when the round lands
+    width: int  # rows every lane fed
+    depths: list[int]  # drafts priced into each lane's window
+    choices: mx.array  # lazy [N * width]: the target's choice on every row
+    accepted: mx.array  # lazy [N]: drafts each lane keeps
+    anchors: mx.array  # lazy [N]: each lane's next anchor
+    lengths: DeviceLengths  # each lane's committed length once the round is kept
+    started: float
+    draft_seconds: float
+    decision: GuardDecision | None = None
+    context: int = 0
+    settled: float | None = None  # as for PlainDispatch
+
+    @property
+    def tokens(self) -> mx.array:
+        return self.choices
+
+
+@dataclass
 class Draft:
     """One lane's proposal this round: from the drafter (`ngram` 0) or looked up in its
     own tokens after a match of `ngram` tokens. A drafter's proposal stays on the device
@@ -153,11 +186,13 @@ class RoundRunner:
     take a proposal looked up in its own tokens (a match of at least n tokens) where it
     is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter.
     `price_live` prices each round's windows from the drafter's confidences, read before
-    the verify (a second host sync); None: where shapes are not kept steady."""
+    the verify (a second host sync); None: where shapes are not kept steady. `overlap`
+    lets drafted rounds of greedy lanes overlap (see the module's docstring); None: where
+    the device runs behind the host."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
                  costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None,
-                 prompt_lookup: int = 0, price_live: bool | None = None):
+                 prompt_lookup: int = 0, price_live: bool | None = None, overlap: bool | None = None):
         self.target = target
         self.drafter = drafter
         self.draft_width = draft_width
@@ -172,7 +207,7 @@ class RoundRunner:
         # Padded to steady buckets, a verify costs about the same at any depth: live
         # confidences would buy little for their sync.
         self.price_live = draft_width is None and (not self.steady_shapes if price_live is None else price_live)
-        self._inflight: PlainDispatch | None = None
+        self._inflight: PlainDispatch | DraftedDispatch | None = None
         self._last_landing = 0.0
         check_min_ngram(prompt_lookup)
         self.prompt_lookup = prompt_lookup if drafter is not None else 0
@@ -184,6 +219,9 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.start_learning()
+        # Lookup proposals and live prices read each round's tokens or drafts on the host.
+        overlap = target.runs_behind_host() if overlap is None else overlap
+        self.overlap = overlap and drafter is not None and not self.prompt_lookup and not self.price_live
 
     def start_learning(self) -> None:
         """Forget what drafted rounds taught: confidence calibration, counted chances, the
@@ -248,6 +286,8 @@ class RoundRunner:
                 eligible = []
         if not eligible:
             return self._plain(lanes, decision, context)
+        if self.overlap and len(eligible) == len(lanes) and all(self._overlappable(lane) for lane in lanes):
+            return self._overlapped(lanes, decision, context)
         # Drafting needs every lane's tokens on the host: land the round in flight first.
         events = self._land_inflight()
         lanes = [lane for lane in lanes if not lane.finished]
@@ -286,7 +326,7 @@ class RoundRunner:
 
     def _plain(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
         previous = self._inflight
-        if previous is not None and previous.lanes == lanes and all(self._pipelinable(lane) for lane in lanes):
+        if isinstance(previous, PlainDispatch) and previous.lanes == lanes and all(self._pipelinable(lane) for lane in lanes):
             following = self._dispatch(lanes, previous.tokens, lag=1)
             events, landed = self._land(previous)
             following.anchors = landed
@@ -354,9 +394,21 @@ class RoundRunner:
     def _land_inflight(self) -> list:
         if self._inflight is None:
             return []
-        events, _ = self._land(self._inflight)
+        if isinstance(self._inflight, DraftedDispatch):
+            events = self._land_drafted(self._inflight, 0.0)
+        else:
+            events, _ = self._land(self._inflight)
         self._inflight = None
         return events
+
+    def _round_seconds(self, dispatch: PlainDispatch | DraftedDispatch, pipelined: bool) -> float:
+        """A landed round's time: overlapping rounds count the interval between landings
+        (or until it had run, where the host settled it before other work)."""
+        now = self.clock()
+        ended = now if dispatch.settled is None else dispatch.settled
+        seconds = ended - (max(self._last_landing, dispatch.started) if pipelined else dispatch.started)
+        self._last_landing = now
+        return seconds
 
     def _land(self, dispatch: PlainDispatch) -> tuple[list, list[int]]:
         """Read a dispatched round's tokens, emit them, account for the round."""
@@ -372,12 +424,7 @@ class RoundRunner:
             lane.stats.rounds += 1
             events.append((lane, lane.emit([token], None if logprob is None else [logprob])))
         self.fold_pending([lane for lane in dispatch.lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
-        now = self.clock()
-        # Pipelined rounds overlap: a round's time is the interval between landings (or
-        # until it had run, where the host settled it before other work).
-        ended = now if dispatch.settled is None else dispatch.settled
-        seconds = ended - (max(self._last_landing, dispatch.started) if dispatch.pipelined else dispatch.started)
-        self._last_landing = now
+        seconds = self._round_seconds(dispatch, dispatch.pipelined)
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)
         self._account(RoundReport("plain", n, n, emitted, seconds), dispatch.decision, dispatch.context)
@@ -397,6 +444,122 @@ class RoundRunner:
         # Launched, not awaited: a host sync here would stall the plain-round pipeline.
         if launch:
             mx.async_eval(self.drafter.state_arrays())
+
+    # ---- drafted rounds, overlapped ----------------------------------------------------
+    #
+    # A drafted round of greedy lanes is built from the round before's anchors and
+    # lengths as the device holds them: the drafter proposes from those anchors, the
+    # verify feeds anchor + drafts at those lengths, acceptance is counted on the device
+    # (drafts kept while each equals the target's argmax on the row before, up to the
+    # priced depth), the caches keep what it says, and the drafter's context takes every
+    # verify row at once (rows past the kept ones lie beyond the new length, unread and
+    # overwritten). The round before is read while this one runs: its tokens are emitted,
+    # its lengths counted on the host. A lane that ends in round t has round t+1's rows
+    # wasted, dropped with its caches.
+
+    def _overlappable(self, lane: Lane) -> bool:
+        # Room in the context for the round in flight and the next, each of up to the
+        # widest window (the last rounds before the limit take one at a time). Tokens past
+        # max_tokens are cut when the round lands, as a lane's tokens past its end are.
+        params = lane.request.sampling
+        return (params.greedy and params.repetition_penalty == 1.0 and lane.request.logprobs is None
+                and lane.context + 2 * (self.proposals + 1) <= lane.context_limit)
+
+    def _overlapped(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
+        previous = self._inflight
+        if isinstance(previous, DraftedDispatch) and previous.lanes == lanes:
+            following = self._dispatch_drafted(lanes, previous.anchors, previous.lengths)
+            events = self._land_drafted(previous, following.draft_seconds)
+            # The bounds tighten to what the round before kept, so they grow by what the
+            # lanes keep, not by every round's width.
+            following.lengths = DeviceLengths(following.lengths.lengths,
+                                              tuple(lane.target_slot.length + following.width for lane in lanes))
+        else:
+            events = self._land_inflight()
+            live = [lane for lane in lanes if not lane.finished]
+            following = self._dispatch_drafted(live, None, None) if live else None
+        if following is not None and all(lane.finished for lane in following.lanes):
+            following = None  # every lane ended as the round before landed
+        if following is not None:
+            following.decision, following.context = decision, context
+        self._inflight = following
+        return events
+
+    def _dispatch_drafted(self, lanes: list[Lane], anchors: mx.array | None, lengths: DeviceLengths | None) -> DraftedDispatch:
+        """Build and launch a drafted round of greedy lanes from the device's `anchors`
+        and `lengths` after the round in flight, or (None) from the host's."""
+        started = self.clock()
+        g, n = self.proposals, len(lanes)
+        proposed_after = anchors
+        if lengths is None:  # the lanes' contexts first brought up to their committed tokens
+            self.fold_pending(lanes, launch=False)
+            held = [lane.target_slot.length for lane in lanes]
+            if held != [lane.drafter_slot.length for lane in lanes]:
+                raise RuntimeError(f"drafter contexts of {[lane.drafter_slot.length for lane in lanes]} rows "
+                                   f"for {held} committed tokens: the lane core let them drift apart")
+            lengths = DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held))
+            proposed_after = [lane.anchor for lane in lanes]  # known on the host this once
+            anchors = mx.array(proposed_after, dtype=mx.int32)
+        proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, None, chain_logits=False,
+                                        confidences=False, at=lengths)
+        draft_seconds = self.clock() - started
+        drafts = [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)]
+        depths = self._price(lanes, lanes, drafts, draft_seconds)
+        width = self.verify_width(1 + max(depths))
+        drafted = mx.clip(proposal.tokens[:, : width - 1], 0, self.target.vocab_size - 1).astype(mx.int32)
+        fed = mx.concatenate([anchors[:, None], drafted], axis=1)  # [N, width]: anchor, drafts, later drafts as padding
+        out = self.target.forward([lane.target_slot for lane in lanes], fed.reshape(-1), widths=[width] * n,
+                                  taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET, at=lengths)
+        choices = choose(out.logits, [PADDING] * (n * width), [0] * (n * width))
+        grid = choices.reshape(n, width)
+        accepted = accepted_on_device(fed, grid, depths)
+        self.target.keep(out, accepted + 1)
+        self.drafter.append_window([lane.drafter_slot for lane in lanes], out.taps, width, lengths)
+        after = DeviceLengths(lengths.lengths + accepted + 1, tuple(b + width for b in lengths.bounds))
+        following = mx.take_along_axis(grid, accepted[:, None], axis=1)[:, 0]
+        mx.async_eval(choices, accepted, following, after.lengths, *proposal.arrays(), *self.target.state_arrays(),
+                      *self.drafter.state_arrays())
+        return DraftedDispatch(lanes, out, proposal, width, depths, choices, accepted, following, after, started, draft_seconds)
+
+    def _land_drafted(self, dispatch: DraftedDispatch, draft_seconds: float) -> list:
+        """Read an overlapped drafted round: emit each lane's tokens, count its kept rows
+        on the host, learn from the outcome, account for the round. Its time is the
+        interval since the last landing, which holds the next round's draft (its
+        `draft_seconds`, 0 where none was built), not its own."""
+        chosen, accepted, width = dispatch.choices.tolist(), dispatch.accepted.tolist(), dispatch.width
+        problems = self.drafter.validate(dispatch.proposal)
+        events, counts = [], []
+        proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
+        for i, (lane, depth, kept) in enumerate(zip(dispatch.lanes, dispatch.depths, accepted)):
+            if lane.finished:  # it ended in the round before: these rows were wasted
+                counts.append(0)
+                continue
+            tokens = chosen[i * width : i * width + kept + 1]  # the kept drafts equal the choices before them
+            counts.append(kept + 1)
+            self.drafter.landed([lane.drafter_slot], [[lane.anchor, *tokens[:kept]]])
+            if problems[i] is not None:  # what it kept equals the target's own choices all the same
+                lane.stats.errors.append(str(problems[i]))
+                log.warning("lane %s: %s", lane.id, problems[i])
+            lane.stats.rounds += 1
+            if depth:
+                lane.stats.drafted_rounds += 1
+                lane.stats.proposed += depth
+                lane.stats.accepted += kept
+                lane.stats.accepted_per_round.append(kept)
+                self.counted_chances[True].observe(0, depth, kept)
+                self._drafter_yield.append(kept)
+                for k in range(depth):
+                    proposed_at[k] += 1
+                    accepted_at[k] += k < kept
+            events.append((lane, lane.emit(tokens)))
+        self.target.count(dispatch.out, counts)
+        seconds = self._round_seconds(dispatch, pipelined=True)
+        emitted = sum(len(event.token_ids) for _, event in events)
+        n = len(dispatch.lanes)
+        report = RoundReport("drafted", n, n * width, emitted, seconds, n, 0, draft_seconds if draft_seconds < seconds else 0.0,
+                             proposed_at, accepted_at)
+        self._account(report, dispatch.decision, dispatch.context)
+        return events
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         """Draft, price, verify, commit: the phases of a drafted round, in order, each timed."""

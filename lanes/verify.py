@@ -93,3 +93,14 @@ def row_choices(logits: mx.array, row_starts: list[int], windows: list[Window], 
     target = logits if seen is None else penalize(logits, seen, [p.repetition_penalty for p in params])
     choices = choose(target, params, keys)
     return RowChoices(row_starts, windows, choices, logprob_arrays(logits, choices, wanted), wanted)
+
+
+def accepted_on_device(fed: mx.array, choices: mx.array, depths: list[int]) -> mx.array:
+    """`greedy_accept_length` for every lane at once, on the device (lazy): from the rows
+    each lane fed `[N, W]` (anchor, then drafts and padding) and the target's choice on
+    each `[N, W]`, the drafts each lane keeps `[N]`: the longest run of drafts that equal
+    the choice on the row before them, at most the lane's priced `depths`."""
+    if fed.shape[1] == 1:
+        return mx.zeros((fed.shape[0],), dtype=mx.int32)
+    matches = (fed[:, 1:] == choices[:, :-1]).astype(mx.int32)
+    return mx.minimum(mx.cumprod(matches, axis=1).sum(axis=1), mx.array(depths, dtype=mx.int32))

@@ -1,0 +1,278 @@
+"""Overlapped drafted rounds (lanes/round.py): a round built from the anchors and lengths
+of the round before as the device holds them gives exactly the tokens a plain run gives,
+and the family's device-length paths equal its host-length ones.
+
+The CPU evaluates as it launches, so nothing overlaps here in time; what is tested is
+that every value the next round needs comes from the device and is right."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from bench.scripted import ScriptedDrafter, published_profile
+from families.lfm2 import open_target
+from families.lfm2.drafter import load_drafter
+from families.lfm2.tiny import TinyShape, make_tiny_target
+from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.acceptance import greedy_accept_length
+from lanes.lane import FinishReason, Request
+from lanes.protocols import DeviceLengths
+from lanes.round import DraftedDispatch, RoundRunner
+from lanes.sampling import SamplingParams
+from lanes.verify import accepted_on_device
+from tests.priced import tiny_engine
+
+PROMPTS = [[1] + [int(t) for t in np.random.default_rng(40 + i).integers(15, 500, 3 + 4 * i)] for i in range(16)]
+MAX_TOKENS = 48
+
+
+def engine_for(path, drafter_dir=None, sequences=None, lanes=16, overlap=True, **config):
+    # Priced from counted survival (no live prices), as where shapes are kept steady.
+    return tiny_engine(path, drafter_dir, lanes, sequences, overlap=overlap, price_live=False, **config)
+
+
+@pytest.fixture(scope="module")
+def plain(dense_dir):
+    return [c.token_ids for c in engine_for(dense_dir).generate([Request(p, MAX_TOKENS) for p in PROMPTS])]
+
+
+@pytest.fixture
+def overlapped(monkeypatch):
+    """Counts the overlapped drafted rounds launched (a test that finds outputs equal
+    proves nothing if none overlapped)."""
+    launched = []
+    dispatch = RoundRunner._dispatch_drafted
+
+    def counting(self, lanes, anchors, lengths):
+        launched.append((len(lanes), lengths is not None))
+        return dispatch(self, lanes, anchors, lengths)
+
+    monkeypatch.setattr(RoundRunner, "_dispatch_drafted", counting)
+    return launched
+
+
+def sequences_of(prompts, outputs):
+    return [p + o for p, o in zip(prompts, outputs)]
+
+
+@pytest.mark.parametrize("width", [None, 2, 5, 10])
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_overlapped_drafted_rounds_equal_plain(width, lanes, dense_dir, drafter_dir, plain, overlapped):
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes, draft_width=width)
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:lanes]])
+    assert [d.token_ids for d in done] == plain[:lanes]
+    chained = sum(1 for _, from_device in overlapped if from_device)
+    assert chained >= 4, f"{chained} rounds built from the device's anchors and lengths"
+    assert sum(d.draft.accepted for d in done) >= 2 * lanes  # partial accepts, at several depths
+
+
+def test_unscripted_drafts_rejected_mostly_stay_exact(dense_dir, drafter_dir, plain, overlapped):
+    done = engine_for(dense_dir, drafter_dir, None, 8).generate([Request(p, MAX_TOKENS) for p in PROMPTS[:8]])
+    assert [d.token_ids for d in done] == plain[:8]
+    assert any(from_device for _, from_device in overlapped)
+
+
+def test_lanes_that_end_early_or_join_late_leave_the_rest_exact(dense_dir, drafter_dir, plain, overlapped):
+    # Short and long replies: lanes end (max_tokens) while the next round is in flight,
+    # and the others go on; more requests than lanes join as slots free.
+    limits = [3 + 7 * (i % 5) for i in range(len(PROMPTS))]
+    sequences = sequences_of(PROMPTS, plain)
+    engine = engine_for(dense_dir, drafter_dir, sequences, lanes=4)
+    done = engine.generate([Request(p, n) for p, n in zip(PROMPTS, limits)])
+    assert [d.token_ids for d in done] == [out[:n] for out, n in zip(plain, limits)]
+    assert any(from_device for _, from_device in overlapped)
+
+
+@pytest.mark.parametrize("cancelled", [(0,), (1, 3)])
+def test_neighbours_of_a_lane_cancelled_under_an_overlapped_round_equal_their_runs(cancelled, dense_dir, drafter_dir, plain):
+    # The round in flight holds the cancelled lane's rows between its neighbours': landing
+    # it must skip them and give every other lane its own tokens and lengths.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=4)
+    finished = {}
+    requests = [Request(p, MAX_TOKENS, on_event=lambda e: e.completion and finished.setdefault(e.request_id, e.completion))
+                for p in PROMPTS[:4]]
+    for r in requests:
+        engine.submit(r)
+    inflight = lambda: engine.rounds._inflight
+    while not (engine.running == 4 and engine.prefilling == 0 and isinstance(inflight(), DraftedDispatch)
+               and all(lane.generated for lane in inflight().lanes) and inflight().lengths.bounds[0] > len(PROMPTS[0])):
+        engine.step()
+    assert not finished
+    for i in cancelled:
+        engine.cancel(requests[i].id)
+    engine.run_until_idle()
+    for i, r in enumerate(requests):
+        done = finished[r.id]
+        if i in cancelled:
+            assert done.finish_reason is FinishReason.CANCELLED and done.token_ids == plain[i][: len(done.token_ids)]
+        else:
+            assert done.token_ids == plain[i], f"lane {i}, a neighbour of the cancelled {cancelled}"
+
+
+def test_stop_strings_end_a_lane_exactly(dense_dir, drafter_dir, plain, overlapped):
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=4)
+    texts = [engine.tokenizer.decode(out[20:22]) for out in plain[:4]]
+    stops = [(t,) if t.strip() else () for t in texts]
+    reference = engine_for(dense_dir, lanes=4).generate([Request(p, MAX_TOKENS, stop=s) for p, s in zip(PROMPTS[:4], stops)])
+    done = engine.generate([Request(p, MAX_TOKENS, stop=s) for p, s in zip(PROMPTS[:4], stops)])
+    assert [(d.token_ids, d.text, d.finish_reason) for d in done] == [(r.token_ids, r.text, r.finish_reason) for r in reference]
+    assert any(from_device for _, from_device in overlapped)
+
+
+def test_lanes_that_need_their_tokens_on_the_host_take_one_round_at_a_time(dense_dir, drafter_dir, plain, overlapped):
+    # A sampled lane, a penalised one or one asking for logprobs keeps every round of its
+    # batch in step; alone, greedy lanes overlap again.
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    requests = lambda: [Request(PROMPTS[0], MAX_TOKENS), Request(PROMPTS[1], MAX_TOKENS, sampled),
+                        Request(PROMPTS[2], MAX_TOKENS, logprobs=2), Request(PROMPTS[3], MAX_TOKENS, SamplingParams(repetition_penalty=1.2))]
+    reference = engine_for(dense_dir, lanes=4).generate(requests())
+    done = engine_for(dense_dir, drafter_dir, None, lanes=4).generate(requests())
+    assert [d.token_ids for d in done] == [r.token_ids for r in reference]
+    assert not any(from_device for _, from_device in overlapped)
+
+
+def test_overlapped_rounds_record_prefix_blocks_that_resume_exactly(dense_dir, drafter_dir, plain, overlapped):
+    sequences = sequences_of(PROMPTS, plain)
+    engine = engine_for(dense_dir, drafter_dir, sequences, lanes=4, prefix_cache_bytes=1 << 26, prefix_block_tokens=16)
+    first = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[12:16]])
+    # The replies' blocks were counted as their rounds landed: the whole conversation resumes.
+    follow_ups = [p + d.token_ids + [7, 8, 9] for p, d in zip(PROMPTS[12:16], first)]
+    again = engine.generate([Request(p, 16) for p in follow_ups])
+    fresh = engine_for(dense_dir, lanes=4).generate([Request(p, 16) for p in follow_ups])
+    assert [d.token_ids for d in first] == plain[12:16]
+    assert [d.token_ids for d in again] == [f.token_ids for f in fresh]
+    assert all(d.cached_tokens >= len(p) - 16 for d, p in zip(again, PROMPTS[12:16]))
+    assert any(from_device for _, from_device in overlapped)
+
+
+def test_long_replies_reach_the_context_limit_exactly(tmp_path, overlapped):
+    # Replies to the limit: each in-flight round's bound on the lanes' lengths must follow
+    # what they kept, not every round's width, or the next round would claim the context
+    # was exceeded long before it is.
+    target = make_tiny_target(tmp_path / "short", "lfm2", seed=1, shape=TinyShape(max_position=200))
+    drafter = make_tiny_drafter(tmp_path / "drafter", target, seed=5, block_size=9)
+    prompts = [p[:8] for p in PROMPTS[:3]]
+    limit = 200 - 8
+    plain = engine_for(target, lanes=3).generate([Request(p, limit) for p in prompts])
+    assert max(len(c.token_ids) for c in plain) == limit  # one reply at least reaches the limit
+    drafted = engine_for(target, drafter, sequences_of(prompts, [c.token_ids for c in plain]), lanes=3)
+    done = drafted.generate([Request(p, limit) for p in prompts])
+    assert [(d.token_ids, d.finish_reason) for d in done] == [(c.token_ids, c.finish_reason) for c in plain]
+    assert sum(1 for _, from_device in overlapped if from_device) >= 20
+
+
+def test_moe_overlapped_equals_plain(moe_dir, moe_drafter_dir, overlapped):
+    plain = [c.token_ids for c in engine_for(moe_dir, lanes=4).generate([Request(p, 32) for p in PROMPTS[:4]])]
+    engine = engine_for(moe_dir, moe_drafter_dir, sequences_of(PROMPTS[:4], plain), lanes=4)
+    done = engine.generate([Request(p, 32) for p in PROMPTS[:4]])
+    assert [d.token_ids for d in done] == plain
+    assert any(from_device for _, from_device in overlapped)
+
+
+def test_acceptance_on_the_device_is_the_hosts():
+    rng = np.random.default_rng(0)
+    for width in (1, 2, 5, 10):
+        choices = rng.integers(0, 3, (64, width))
+        fed = np.where(rng.random((64, width)) < 0.8, np.roll(choices, 1, axis=1), rng.integers(0, 3, (64, width)))
+        depths = [int(d) for d in rng.integers(0, width, 64)]
+        kept = accepted_on_device(mx.array(fed), mx.array(choices), depths).tolist()
+        assert kept == [greedy_accept_length(list(f[1 : 1 + d]), list(c)) for f, c, d in zip(fed, choices, depths)]
+
+
+# ---- the family's device-length paths ------------------------------------------------
+
+
+def prefilled(path, drafter_dir, lengths):
+    """A target and drafter with one lane per length, each holding that many prompt tokens."""
+    loaded = open_target(path, max_lanes=len(lengths))
+    target = loaded.target
+    drafter = load_drafter(drafter_dir, target.model, target.config, max_lanes=len(lengths))
+    lanes = []
+    for i, n in enumerate(lengths):
+        slot, context = target.open_lane(), drafter.open_lane()
+        tokens = PROMPTS[i % len(PROMPTS)] * (n // len(PROMPTS[i % len(PROMPTS)]) + 1)
+        out = target.forward([slot], [tokens[:n]], taps=drafter.tap_layers)
+        target.commit(out, [n])
+        drafter.append([context], [out.taps], [tokens[:n]])
+        lanes.append((slot, context))
+    mx.eval(target.state_arrays(), drafter.state_arrays())
+    return target, drafter, lanes
+
+
+@pytest.mark.parametrize("bucket", [1, 256])
+def test_a_forward_at_device_lengths_equals_one_at_host_lengths(bucket, dense_dir, drafter_dir):
+    lengths, width, kept = [9, 30, 17], 4, [1, 4, 2]
+    fed = mx.array([[3 + i + k for k in range(width)] for i in range(len(lengths))], dtype=mx.int32).reshape(-1)
+    results = []
+    for device in (False, True):
+        target, _, lanes = prefilled(dense_dir, drafter_dir, lengths)
+        slots = [slot for slot, _ in reversed(lanes)]  # not in slot order: the lengths follow the lanes
+        held = [slot.length for slot in slots]
+        at = DeviceLengths(mx.array(held, dtype=mx.int32), tuple(h + 5 for h in held)) if device else None
+        out = target.forward(slots, fed, widths=[width] * 3, key_bucket=bucket, at=at)
+        if device:
+            target.keep(out, mx.array(kept, dtype=mx.int32))
+            target.count(out, kept)
+        else:
+            target.commit(out, kept)
+        # The next round reads what the first kept.
+        after = target.forward(slots, fed[: 3], widths=[1] * 3)
+        results.append((out.logits, after.logits, [slot.length for slot in slots]))
+    (logits, next_logits, counted), (device_logits, device_next, device_counted) = results
+    assert counted == device_counted == [h + k for h, k in zip([17, 30, 9], kept)]
+    assert mx.allclose(logits, device_logits, atol=1e-5).item()
+    assert mx.allclose(next_logits, device_next, atol=1e-5).item()
+
+
+def test_a_drafter_window_appended_at_device_lengths_equals_its_kept_rows_appended(dense_dir, drafter_dir):
+    lengths, width, kept = [12, 5], 6, [3, 6]
+    taps = None
+    proposals, contexts = [], []
+    for window in (False, True):
+        target, drafter, lanes = prefilled(dense_dir, drafter_dir, lengths)
+        contexts_of = [context for _, context in lanes]
+        if taps is None:
+            taps = mx.random.normal((len(lengths) * width, len(drafter.tap_layers) * target.config.hidden_size),
+                                    key=mx.random.key(0))
+        tokens = [[5 + k for k in range(n)] for n in kept]
+        if window:
+            held = [c.length for c in contexts_of]
+            drafter.append_window(contexts_of, taps, width, DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held)))
+            drafter.landed(contexts_of, tokens)
+        else:
+            drafter.append(contexts_of, [taps[i * width : i * width + n] for i, n in enumerate(kept)], tokens)
+        n = [c.length for c in contexts_of]
+        contexts.append([drafter.context_rows(c, 0, length) for c, length in zip(contexts_of, n)])
+        at = DeviceLengths(mx.array(n, dtype=mx.int32), tuple(n)) if window else None
+        proposal = drafter.propose(contexts_of, mx.array([7, 8]) if window else [7, 8], 5, at=at)
+        proposals.append((proposal.tokens, proposal.confidences))
+    assert [len(c) for c in contexts[0]] == [len(c) for c in contexts[1]]
+    for rows, window_rows in zip(contexts[0], contexts[1]):
+        for a, b in zip(rows, window_rows):
+            assert mx.allclose(a, b, atol=1e-5).item()
+    assert mx.array_equal(proposals[0][0], proposals[1][0]).item()
+    assert mx.allclose(proposals[0][1], proposals[1][1], atol=1e-5).item()
+
+
+def test_scripted_proposals_from_the_device_equal_the_hosts(dense_dir, drafter_dir, plain):
+    sequences = sequences_of(PROMPTS, plain)
+    target, real, lanes = prefilled(dense_dir, drafter_dir, [len(p) - 1 for p in PROMPTS[:3]])
+    scripted = ScriptedDrafter(real, sequences, published_profile(), target.vocab_size)
+    contexts = [context for _, context in lanes]
+    for context, prompt in zip(contexts, PROMPTS):
+        scripted._history[context.slot] = prompt[:-1]
+    anchors = [p[-1] for p in PROMPTS[:3]]
+    host = scripted.propose(contexts, anchors, 9)  # matches each lane to its sequence
+    held = [c.length for c in contexts]
+    device = scripted.propose(contexts, mx.array(anchors), 9, at=DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held)))
+    assert device.tokens.tolist() == host.tokens.tolist()
+    # Further on, past where the host has read: the block the host would script there.
+    for context, prompt, out in zip(contexts, PROMPTS, plain):
+        scripted._history[context.slot] = prompt + out[:10]
+    later = [out[10] for out in plain[:3]]
+    host = scripted.propose(contexts, later, 9)
+    ahead = [h + 11 for h in held]
+    device = scripted.propose(contexts, mx.array(later), 9, at=DeviceLengths(mx.array(ahead, dtype=mx.int32), tuple(ahead)))
+    assert device.tokens.tolist() == host.tokens.tolist()
