@@ -3,7 +3,7 @@
     python -m bench.bench_engine --model DIR --drafter DIR --out bench/results/NAME
         [--streams 1,4,8,16] [--prompt-tokens 256] [--gen-tokens 128] [--alternations 3]
         [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--long-alternations 1]
-        [--long-prompt-cache] [--log FILE]
+        [--long-prompt-cache] [--in-step-beside] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
 wrapped in the scripted-acceptance drafter (bench/scripted.py, measurement only): it
@@ -36,6 +36,12 @@ alternations. `--long-prompt-cache` gives both long-context engines a prefix cac
 each prompt is read once per engine and every later run restores it (untimed, as every
 read is) and goes straight to the decode that is timed. Both engines then also keep the
 conv states a cache needs at every block boundary (one copy each 64 tokens), alike.
+`--in-step-beside` times a third engine in the same turns: drafting with overlapped rounds
+off (`EngineConfig.overlap`; where the device runs behind the host, drafted rounds of
+greedy lanes overlap by default), each drafted round read before the next is built. Its
+rows give its ratio to plain and the overlapped engine's gain over it, each the median
+over alternations of runs next to each other.
+
 Each long-context row also gives drafting's cost in the guarded engine's own time:
 what its drafted rounds (the guard's probes among them) took beyond its own plain
 rounds' time per token for as many tokens, over all its runs (`drafting_cost`), a
@@ -125,20 +131,32 @@ def drafting_cost(before: dict, after: dict) -> float | None:
     return lost / (seconds["plain"] + seconds["drafted"])
 
 
-def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternations: int) -> dict:
-    plain_runs, drafted_runs = [], []
+def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternations: int, in_step: Engine | None = None) -> dict:
+    """Plain and drafted runs in turns (and, given `in_step`, that engine's after each)."""
+    plain_runs, drafted_runs, in_step_runs = [], [], []
     counted = drafted_engine.rounds.counters.snapshot()
     for _ in range(alternations):
         plain_runs.append(decode_run(plain, prompts, gen))
         drafted_runs.append(decode_run(drafted_engine, prompts, gen))
+        if in_step is not None:
+            in_step_runs.append(decode_run(in_step, prompts, gen))
     cost = drafting_cost(counted, drafted_engine.rounds.counters.snapshot())
-    exact = all(d["tokens"] == plain_runs[0]["tokens"] for d in drafted_runs)
+    exact = all(d["tokens"] == plain_runs[0]["tokens"] for d in drafted_runs + in_step_runs)
     plain_tps = statistics.median(r["tok_s"] for r in plain_runs)
     drafted_tps = statistics.median(r["tok_s"] for r in drafted_runs)
     last = drafted_runs[-1]
     # Each drafted run against the plain run just before it: on a shared machine whose
     # speed drifts, neighbours in time compare better than medians taken apart.
     ratios = [d["tok_s"] / p["tok_s"] for p, d in zip(plain_runs, drafted_runs)]
+    beside = {}
+    if in_step_runs:
+        beside = {
+            "in_step_tok_s": statistics.median(r["tok_s"] for r in in_step_runs),
+            "in_step_ratios": [s["tok_s"] / p["tok_s"] for p, s in zip(plain_runs, in_step_runs)],
+            "overlap_gains": [d["tok_s"] / s["tok_s"] for d, s in zip(drafted_runs, in_step_runs)],
+        }
+        beside["in_step_ratio"] = statistics.median(beside["in_step_ratios"])
+        beside["overlap_gain"] = statistics.median(beside["overlap_gains"])
     return {
         "plain_tok_s": plain_tps,
         "drafted_tok_s": drafted_tps,
@@ -150,6 +168,7 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
         "plain_runs_tok_s": [r["tok_s"] for r in plain_runs],
         "drafted_runs_tok_s": [r["tok_s"] for r in drafted_runs],
         "drafting_cost": cost,
+        **beside,
     }
 
 
@@ -158,19 +177,23 @@ def run(args) -> dict:
               "decisive": args.decisive, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
               "alternations": args.alternations, "long_gen_tokens": args.long_gen_tokens,
               "long_alternations": args.long_alternations, "long_prompt_cache": args.long_prompt_cache,
+              "in_step_beside": args.in_step_beside,
               "streams": {}, "long_context": {}}
     rng = np.random.default_rng(0)
     if args.streams:
         streams = Setup(args, max(args.streams))
         prompts = {n: streams.prompts(rng, n, args.prompt_tokens) for n in args.streams}
         recorded = {n: decode_run(streams.plain, ps, args.gen_tokens)["tokens"] for n, ps in prompts.items()}
-        drafted = streams.scripted(published_profile(), [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])])
+        sequences = [p + t for n in args.streams for p, t in zip(prompts[n], recorded[n])]
+        drafted = streams.scripted(published_profile(), sequences)
+        in_step = streams.scripted(published_profile(), sequences, overlap=False) if args.in_step_beside else None
         for n in args.streams:
-            r = compare(streams.plain, drafted, prompts[n], args.gen_tokens, args.alternations)
+            r = compare(streams.plain, drafted, prompts[n], args.gen_tokens, args.alternations, in_step)
             result["streams"][n] = r
             print(f"streams {n}: plain {r['plain_tok_s']:.1f} tok/s, drafted {r['drafted_tok_s']:.1f} tok/s, "
-                  f"ratio {r['ratio']:.2f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
-        del streams, drafted
+                  f"ratio {r['ratio']:.2f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}"
+                  + (f", in step {r['in_step_ratio']:.2f}, overlap gain {r['overlap_gain']:.2f}" if in_step else ""), flush=True)
+        del streams, drafted, in_step
 
     if args.long_contexts:
         # Its own target with few lane slots: the KV pools hold every slot at the longest context.
@@ -217,17 +240,18 @@ class Setup:
         self.plain = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, None, self.config())
         self.plain.warm_up()
 
-    def config(self) -> EngineConfig:
-        return EngineConfig(max_streams=self.lanes, prefix_cache_bytes=default_budget_bytes() if self.prompt_cache else 0)
+    def config(self, overlap: bool | None = None) -> EngineConfig:
+        return EngineConfig(max_streams=self.lanes, prefix_cache_bytes=default_budget_bytes() if self.prompt_cache else 0,
+                            overlap=overlap)
 
     def prompts(self, rng, count: int, length: int) -> list[list[int]]:
         high = min(self.loaded.target.vocab_size, 4000)
         return [[int(t) for t in rng.integers(20, high, length)] for _ in range(count)]
 
-    def scripted(self, profile, sequences) -> Engine:
+    def scripted(self, profile, sequences, overlap: bool | None = None) -> Engine:
         target = self.loaded.target
         drafter = ScriptedDrafter(self.real, sequences, profile, target.vocab_size)
-        engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter, self.config())
+        engine = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, drafter, self.config(overlap))
         engine.warm_up()
         return engine
 
@@ -241,11 +265,14 @@ def markdown(result: dict) -> str:
     if result["streams"]:
         lines += ["", (f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
                   f"{result['gen_tokens']} generated per stream, {result['alternations']} alternations:"), "",
-                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |",
-                  "|---:|---:|---:|---:|:---:|---:|---:|"]
+                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |"
+                  + (" in step tok/s | in step / plain | overlapped / in step [min-max] |" if result.get("in_step_beside") else ""),
+                  "|---:|---:|---:|---:|:---:|---:|---:|" + ("---:|---:|---:|" if result.get("in_step_beside") else "")]
     for n, r in result["streams"].items():
+        beside = (f" {r['in_step_tok_s']:.1f} | {r['in_step_ratio']:.2f}x | {r['overlap_gain']:.2f}x "
+                  f"[{min(r['overlap_gains']):.2f}-{max(r['overlap_gains']):.2f}] |" if "in_step_tok_s" in r else "")
         lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
-                     f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |")
+                     f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |{beside}")
     if result["long_context"]:
         lines += ["", ("Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on, "
                   f"{result['long_gen_tokens']} generated per run, {result['long_alternations']} alternations"
@@ -281,6 +308,8 @@ def main() -> None:
     p.add_argument("--long-alternations", type=int, default=1)
     p.add_argument("--long-prompt-cache", action="store_true",
                    help="keep each long prompt in a prefix cache per engine: read once, restored for every later run")
+    p.add_argument("--in-step-beside", action="store_true",
+                   help="also time drafting with overlapped rounds off, in the same turns (see above)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--decisive", type=float, default=1 / 32,
                    help="scale of the target's output projections (1 keeps the drawn weights; see above)")

@@ -261,6 +261,42 @@ MUTANTS: tuple[Mutant, ...] = (
               "self.scale,\n                                                   causal=True)"),),
         ("tests/test_attention_kernel.py",),
     ),
+    Mutant(
+        "overlap-conv-state-of-whole-window",
+        "an overlapped drafted round keeps each conv state as if every verify row were accepted (the device's "
+        "count of kept rows is not used)",
+        (Edit("lanes/round.py", "        self.target.keep(out, accepted + 1)\n",
+              "        self.target.keep(out, mx.full((n,), width, dtype=mx.int32))\n"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "overlap-anchor-from-first-row",
+        "the round after an overlapped one is fed, as each lane's anchor, the target's choice on its first verify "
+        "row, not the one after its kept drafts",
+        (Edit("lanes/round.py", "        following = mx.take_along_axis(grid, accepted[:, None], axis=1)[:, 0]\n",
+              "        following = grid[:, 0]\n"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "overlap-ended-lane-landed",
+        "landing an overlapped round, a lane that ended in the round before (cancelled, or at a stop) is emitted "
+        "and counted again",
+        (Edit("lanes/round.py",
+              "            if lane.finished:  # it ended in the round before: these rows were wasted\n"
+              "                counts.append(0)\n"
+              "                continue\n", ""),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "overlap-bounds-grow-by-width",
+        "the host's bound on an overlapped lane's length grows by every round's width, never tightened to what "
+        "the round before kept (the next rounds overstate it and reach the context limit early)",
+        (Edit("lanes/round.py",
+              "            following.lengths = DeviceLengths(following.lengths.lengths,\n"
+              "                                              tuple(lane.target_slot.length + following.width for lane in lanes))\n",
+              ""),),
+        ("tests/test_overlap.py",),
+    ),
 )
 
 
