@@ -37,10 +37,10 @@ each prompt is read once per engine and every later run restores it (untimed, as
 read is) and goes straight to the decode that is timed. Both engines then also keep the
 conv states a cache needs at every block boundary (one copy each 64 tokens), alike.
 `--in-step-beside` times a third engine in the same turns: drafting with overlapped rounds
-off (`EngineConfig.overlap`; where the device runs behind the host, drafted rounds of
-greedy lanes overlap by default), each drafted round read before the next is built. Its
-rows give its ratio to plain and the overlapped engine's gain over it, each the median
-over alternations of runs next to each other.
+off (`EngineConfig.overlap`; where the device runs behind the host, drafted rounds
+overlap by default), each drafted round read before the next is built. Its rows give its
+ratio to plain and the overlapped engine's gain over it, each the median over
+alternations of runs next to each other.
 
 Each long-context row also gives drafting's cost in the guarded engine's own time:
 what its drafted rounds (the guard's probes among them) took beyond its own plain

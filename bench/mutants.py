@@ -243,7 +243,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "conv-kernel-commit-misorders-lanes",
         "on CUDA, a verify's conv states are rebuilt with each lane's kept rows taken from another lane "
         "(the kernels' path; the CPU's operations are untouched)",
-        (Edit("families/lfm2/target.py", "mx.array(kept_sorted, dtype=mx.int32))", "mx.array(kept_sorted[::-1], dtype=mx.int32))"),),
+        (Edit("families/lfm2/target.py", "record.lanes]), kept_array)", "record.lanes]), kept_array[::-1])"),),
         ("tests/test_conv_kernel.py",),
     ),
     Mutant(
@@ -285,6 +285,20 @@ MUTANTS: tuple[Mutant, ...] = (
               "            if lane.finished:  # it ended in the round before: these rows were wasted\n"
               "                counts.append(0)\n"
               "                continue\n", ""),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "overlap-seen-misses-kept-tokens",
+        "the round after an overlapped one penalises what its lanes had seen before it, not the tokens that "
+        "round kept",
+        (Edit("lanes/round.py", "            seen = seen.at[mx.repeat(mx.arange(n), width), grid.reshape(-1)].maximum(kept)\n",
+              "            seen = seen\n"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "overlap-noise-one-position-late",
+        "an overlapped round keys each row's sampling noise by the position after the one it decides",
+        (Edit("lanes/round.py", "lengths.lengths[:, None] + 1 + mx.arange(g + 1))", "lengths.lengths[:, None] + 2 + mx.arange(g + 1))"),),
         ("tests/test_overlap.py",),
     ),
     Mutant(

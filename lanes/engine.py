@@ -48,7 +48,7 @@ class EngineConfig:
     prompt_lookup: int = 0  # shortest n-gram match a lane may copy drafts from (lanes/lookup.py); 0: drafter only
     steady_shapes: bool | None = None  # pad rounds to steady shapes; None: where the backend plans per shape (CUDA)
     price_live: bool | None = None  # price from each round's confidences (a second sync); None: where shapes are not steady
-    overlap: bool | None = None  # overlap drafted rounds of greedy lanes (lanes/round.py); None: where the device runs behind the host
+    overlap: bool | None = None  # overlap drafted rounds (lanes/round.py); None: where the device runs behind the host
     prefix_cache_bytes: int = 0  # budget of the prefix cache (lanes/prefix_cache.py); 0: no cache
     prefix_block_tokens: int = BLOCK_TOKENS
 

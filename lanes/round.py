@@ -14,12 +14,12 @@ grows with its rows (`price_live`, by default where shapes are not padded to ste
 buckets) the round reads the proposal first and prices from its calibrated confidences,
 at the cost of a second sync.
 
-Where the device runs behind the host (a GPU), drafted rounds of greedy lanes overlap
-as plain rounds do (`overlap`): the next round is built and launched from the anchors
-and lengths of the round before as the device holds them (its acceptance counted on
-the device), and the round before is read while the next one runs. Lanes that sample,
-penalise repeats, ask for logprobs or may copy drafts by prompt lookup need their
-tokens on the host, and take one round at a time.
+Where the device runs behind the host (a GPU), drafted rounds overlap as plain rounds
+do (`overlap`): the next round is built and launched from the anchors and lengths of
+the round before as the device holds them (its choices, seeded draws and penalties
+too, and its acceptance made on the device), and the round before is read while the
+next one runs. Prompt lookup and live prices need each round's tokens or drafts on the
+host: their rounds take one at a time.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from .lookup import MAX_NGRAM, NgramIndex, check_min_ngram
 from .penalty import SeenTokens, mark, penalize
 from .pricing import CostTable, CountedChances, NoCostData, chain_chances, plan_depths
 from .protocols import DeviceLengths
-from .sampling import choose, row_keys
-from .verify import PADDING, Window, accepted_on_device, row_choices
+from .sampling import SamplingParams, choose, noise_keys_on_device, row_keys
+from .verify import Window, accepted_on_device, row_choices
 
 log = logging.getLogger("laneserve.round")
 
@@ -67,20 +67,24 @@ def drafter_pick(lanes: list[Lane], width: int, seen: SeenTokens):
     steers it off the text the drafter learnt. None (argmax) when every lane is greedy
     without a penalty."""
     params = [lane.request.sampling for lane in lanes]
+    keys = [row_keys(lane.seed, p, lane.position + 1, width) for lane, p in zip(lanes, params)]  # zeros when greedy
+    penalized = any(p.repetition_penalty != 1.0 for p in params)
+    return chain_pick(params, lambda k: [row[k] for row in keys], seen.rows(lanes) if penalized else None)
+
+
+def chain_pick(params: list[SamplingParams], keys, seen: mx.array | None):
+    """`drafter_pick` from block row k's noise keys, `keys(k)` (host ints, or an array of
+    keys at positions only the device knows), and what each lane has seen, `seen [N, V]`
+    (None: no lane has a penalty)."""
+    if seen is None:
+        return None if all(p.greedy for p in params) else lambda logits, k: choose(logits, params, keys(k))
     penalties = [p.repetition_penalty for p in params]
-    penalized = any(p != 1.0 for p in penalties)
-    if all(p.greedy for p in params) and not penalized:
-        return None
-    keys = [row_keys(lane.seed, p, lane.position + 1, width) for lane, p in zip(lanes, params)]
-    if not penalized:
-        return lambda logits, k: choose(logits, params, [row[k] for row in keys])
-    lane_rows = mx.arange(len(lanes))
-    seen_by_row = seen.rows(lanes)  # what row k sees: the lanes' tokens, then drafts 1..k
+    lane_rows = mx.arange(len(params))
 
     def pick(logits: mx.array, k: int) -> mx.array:
-        nonlocal seen_by_row
-        chosen = choose(penalize(logits, seen_by_row, penalties), params, [row[k] for row in keys])
-        seen_by_row = mark(seen_by_row, lane_rows, chosen)
+        nonlocal seen  # what row k sees: the lanes' tokens, then drafts 1..k
+        chosen = choose(penalize(logits, seen, penalties), params, keys(k))
+        seen = mark(seen, lane_rows, chosen)
         return chosen
 
     return pick
@@ -116,8 +120,8 @@ class PlainDispatch:
 
 @dataclass
 class DraftedDispatch:
-    """A drafted round of greedy lanes launched on the device whose outcome the host has
-    not read: the next round starts from its `anchors` and `lengths` on the device."""
+    """A drafted round launched on the device whose outcome the host has not read: the
+    next round starts from its `anchors` and `lengths` on the device."""
 
     lanes: list[Lane]
     out: object  # the target's RoundOutput
@@ -130,6 +134,9 @@ class DraftedDispatch:
     lengths: DeviceLengths  # each lane's committed length once the round is kept
     started: float
     draft_seconds: float
+    logprobs: list[mx.array]  # lazy, for lanes that asked (`logprob_arrays` over every row)
+    wanted: list[int | None]  # per row
+    seen: mx.array | None  # lazy [N, V]: each lane's tokens once the round is kept (where a lane has a penalty)
     decision: GuardDecision | None = None
     context: int = 0
     settled: float | None = None  # as for PlainDispatch
@@ -187,8 +194,8 @@ class RoundRunner:
     is worth more than the drafter's (lanes/lookup.py); 0 drafts only with the drafter.
     `price_live` prices each round's windows from the drafter's confidences, read before
     the verify (a second host sync); None: where shapes are not kept steady. `overlap`
-    lets drafted rounds of greedy lanes overlap (see the module's docstring); None: where
-    the device runs behind the host."""
+    lets drafted rounds overlap (see the module's docstring); None: where the device runs
+    behind the host."""
 
     def __init__(self, target, drafter=None, draft_width: int | None = None, guard: DraftGuard | None = None,
                  costs: CostTable | None = None, clock=time.perf_counter, steady_shapes: bool | None = None,
@@ -447,28 +454,28 @@ class RoundRunner:
 
     # ---- drafted rounds, overlapped ----------------------------------------------------
     #
-    # A drafted round of greedy lanes is built from the round before's anchors and
-    # lengths as the device holds them: the drafter proposes from those anchors, the
-    # verify feeds anchor + drafts at those lengths, acceptance is counted on the device
-    # (drafts kept while each equals the target's argmax on the row before, up to the
-    # priced depth), the caches keep what it says, and the drafter's context takes every
-    # verify row at once (rows past the kept ones lie beyond the new length, unread and
-    # overwritten). The round before is read while this one runs: its tokens are emitted,
+    # A drafted round is built from the round before's anchors and lengths as the device
+    # holds them: the drafter proposes from those anchors, the verify feeds anchor +
+    # drafts at those lengths, each row's choice (argmax, or the seeded draw, its noise
+    # keyed by the device's positions, after the lane's repetition penalty over what it
+    # has seen, kept on the device too) is made there, acceptance is counted there (drafts
+    # kept while each equals the choice on the row before, up to the priced depth), the
+    # caches keep what it says, and the drafter's context takes every verify row at once
+    # (rows past the kept ones lie beyond the new length, unread and overwritten). The
+    # round before is read while this one runs: its tokens (and logprobs) are emitted,
     # its lengths counted on the host. A lane that ends in round t has round t+1's rows
     # wasted, dropped with its caches.
 
     def _overlappable(self, lane: Lane) -> bool:
         # Room in the context for the round in flight and the next, each of up to the
-        # widest window (the last rounds before the limit take one at a time). Tokens past
+        # widest window (the last rounds before the limit take one at a time); tokens past
         # max_tokens are cut when the round lands, as a lane's tokens past its end are.
-        params = lane.request.sampling
-        return (params.greedy and params.repetition_penalty == 1.0 and lane.request.logprobs is None
-                and lane.context + 2 * (self.proposals + 1) <= lane.context_limit)
+        return lane.context + 2 * (self.proposals + 1) <= lane.context_limit
 
     def _overlapped(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
         previous = self._inflight
         if isinstance(previous, DraftedDispatch) and previous.lanes == lanes:
-            following = self._dispatch_drafted(lanes, previous.anchors, previous.lengths)
+            following = self._dispatch_drafted(lanes, previous)
             events = self._land_drafted(previous, following.draft_seconds)
             # The bounds tighten to what the round before kept, so they grow by what the
             # lanes keep, not by every round's width.
@@ -477,7 +484,7 @@ class RoundRunner:
         else:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
-            following = self._dispatch_drafted(live, None, None) if live else None
+            following = self._dispatch_drafted(live, None) if live else None
         if following is not None and all(lane.finished for lane in following.lanes):
             following = None  # every lane ended as the round before landed
         if following is not None:
@@ -485,13 +492,14 @@ class RoundRunner:
         self._inflight = following
         return events
 
-    def _dispatch_drafted(self, lanes: list[Lane], anchors: mx.array | None, lengths: DeviceLengths | None) -> DraftedDispatch:
-        """Build and launch a drafted round of greedy lanes from the device's `anchors`
-        and `lengths` after the round in flight, or (None) from the host's."""
+    def _dispatch_drafted(self, lanes: list[Lane], previous: DraftedDispatch | None) -> DraftedDispatch:
+        """Build and launch a drafted round from the anchors, lengths (and seen tokens) of
+        the round in flight, `previous`, as the device holds them, or (None) the host's."""
         started = self.clock()
         g, n = self.proposals, len(lanes)
-        proposed_after = anchors
-        if lengths is None:  # the lanes' contexts first brought up to their committed tokens
+        params = [lane.request.sampling for lane in lanes]
+        penalties = [p.repetition_penalty for p in params]
+        if previous is None:  # the lanes' contexts first brought up to their committed tokens
             self.fold_pending(lanes, launch=False)
             held = [lane.target_slot.length for lane in lanes]
             if held != [lane.drafter_slot.length for lane in lanes]:
@@ -500,7 +508,15 @@ class RoundRunner:
             lengths = DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held))
             proposed_after = [lane.anchor for lane in lanes]  # known on the host this once
             anchors = mx.array(proposed_after, dtype=mx.int32)
-        proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, None, chain_logits=False,
+            seen = self.seen.rows(lanes) if any(p != 1.0 for p in penalties) else None
+        else:
+            lengths, anchors, seen = previous.lengths, previous.anchors, previous.seen
+            proposed_after = anchors
+        keys = None
+        if not all(p.greedy for p in params):  # row k of a block or a verify decides position length + 1 + k
+            keys = noise_keys_on_device([lane.seed for lane in lanes], lengths.lengths[:, None] + 1 + mx.arange(g + 1))
+        pick = chain_pick(params, lambda k: [0] * n if keys is None else keys[:, k], seen)
+        proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, pick, chain_logits=False,
                                         confidences=False, at=lengths)
         draft_seconds = self.clock() - started
         drafts = [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)]
@@ -510,16 +526,30 @@ class RoundRunner:
         fed = mx.concatenate([anchors[:, None], drafted], axis=1)  # [N, width]: anchor, drafts, later drafts as padding
         out = self.target.forward([lane.target_slot for lane in lanes], fed.reshape(-1), widths=[width] * n,
                                   taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET, at=lengths)
-        choices = choose(out.logits, [PADDING] * (n * width), [0] * (n * width))
+        rows = [p for p in params for _ in range(width)]
+        scored = out.logits
+        if seen is not None:  # verify row k sees the lane's tokens and its drafts 1..k
+            marked = [(i * width + k, i * width + j) for i in range(n) for k in range(1, width) for j in range(1, k + 1)]
+            by_row = mx.repeat(seen, width, axis=0)
+            if marked:
+                by_row = mark(by_row, [r for r, _ in marked], fed.reshape(-1)[mx.array([f for _, f in marked], dtype=mx.int32)])
+            scored = penalize(scored, by_row, [p.repetition_penalty for p in rows])
+        choices = choose(scored, rows, [0] * len(rows) if keys is None else keys[:, :width].reshape(-1))
+        wanted = [lane.request.logprobs for lane in lanes for _ in range(width)]
+        logprobs = logprob_arrays(out.logits, choices, wanted)
         grid = choices.reshape(n, width)
         accepted = accepted_on_device(fed, grid, depths)
         self.target.keep(out, accepted + 1)
         self.drafter.append_window([lane.drafter_slot for lane in lanes], out.taps, width, lengths)
         after = DeviceLengths(lengths.lengths + accepted + 1, tuple(b + width for b in lengths.bounds))
         following = mx.take_along_axis(grid, accepted[:, None], axis=1)[:, 0]
-        mx.async_eval(choices, accepted, following, after.lengths, *proposal.arrays(), *self.target.state_arrays(),
-                      *self.drafter.state_arrays())
-        return DraftedDispatch(lanes, out, proposal, width, depths, choices, accepted, following, after, started, draft_seconds)
+        if seen is not None:  # the tokens each lane keeps, the next anchor last
+            kept = (mx.arange(width)[None, :] <= accepted[:, None]).reshape(-1)
+            seen = seen.at[mx.repeat(mx.arange(n), width), grid.reshape(-1)].maximum(kept)
+        mx.async_eval(choices, accepted, following, after.lengths, *logprobs, *([seen] if seen is not None else []),
+                      *proposal.arrays(), *self.target.state_arrays(), *self.drafter.state_arrays())
+        return DraftedDispatch(lanes, out, proposal, width, depths, choices, accepted, following, after, started, draft_seconds,
+                               logprobs, wanted, seen)
 
     def _land_drafted(self, dispatch: DraftedDispatch, draft_seconds: float) -> list:
         """Read an overlapped drafted round: emit each lane's tokens, count its kept rows
@@ -527,6 +557,7 @@ class RoundRunner:
         interval since the last landing, which holds the next round's draft (its
         `draft_seconds`, 0 where none was built), not its own."""
         chosen, accepted, width = dispatch.choices.tolist(), dispatch.accepted.tolist(), dispatch.width
+        per_row = read_logprobs(dispatch.logprobs, chosen, dispatch.wanted)
         problems = self.drafter.validate(dispatch.proposal)
         events, counts = [], []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
@@ -546,12 +577,13 @@ class RoundRunner:
                 lane.stats.proposed += depth
                 lane.stats.accepted += kept
                 lane.stats.accepted_per_round.append(kept)
-                self.counted_chances[True].observe(0, depth, kept)
+                self.counted_chances[lane.request.sampling.greedy].observe(0, depth, kept)
                 self._drafter_yield.append(kept)
                 for k in range(depth):
                     proposed_at[k] += 1
                     accepted_at[k] += k < kept
-            events.append((lane, lane.emit(tokens)))
+            logprobs = per_row[i * width : i * width + kept + 1] if lane.request.logprobs is not None else None
+            events.append((lane, lane.emit(tokens, logprobs)))
         self.target.count(dispatch.out, counts)
         seconds = self._round_seconds(dispatch, pipelined=True)
         emitted = sum(len(event.token_ids) for _, event in events)

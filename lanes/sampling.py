@@ -77,11 +77,20 @@ def noise_key(seed: int, position: int) -> int:
     return mix32((seed & _MASK32) ^ mix32((seed >> 32) ^ mix32(position)))
 
 
-def gumbel_noise(keys: list[int], vocab: int) -> mx.array:
-    """[R, V] standard Gumbel noise, row r keyed by `keys[r]` (see `noise_key`): the same
-    key gives the same noise on every backend, since it is integer arithmetic up to the
-    final float transform."""
-    key = mx.array(keys, dtype=mx.uint32)[:, None]
+def noise_keys_on_device(seeds: list[int], positions: mx.array) -> mx.array:
+    """`noise_key(seeds[i], positions[i, k])` for positions only the device knows (a round
+    built on lengths the host has not read): uint32 `[N, K]`, the host's keys exactly."""
+    seeds = [s & 0xFFFFFFFFFFFFFFFF for s in seeds]
+    low = mx.array([s & _MASK32 for s in seeds], dtype=mx.uint32)[:, None]
+    high = mx.array([s >> 32 for s in seeds], dtype=mx.uint32)[:, None]
+    return _mix32_device(low ^ _mix32_device(high ^ _mix32_device(positions.astype(mx.uint32))))
+
+
+def gumbel_noise(keys: list[int] | mx.array, vocab: int) -> mx.array:
+    """[R, V] standard Gumbel noise, row r keyed by `keys[r]` (see `noise_key`; a uint32
+    array from `noise_keys_on_device` too): the same key gives the same noise on every
+    backend, since it is integer arithmetic up to the final float transform."""
+    key = (keys.astype(mx.uint32) if isinstance(keys, mx.array) else mx.array(keys, dtype=mx.uint32))[:, None]
     index = mx.arange(vocab, dtype=mx.uint32)[None, :] * mx.array(_GOLDEN, dtype=mx.uint32)
     bits = _mix32_device(_mix32_device(key ^ index) + key)
     # 23 random bits -> v uniform strictly inside (0, 1), every value exact in float32;
@@ -124,7 +133,7 @@ def filtered_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.arra
     return logprobs
 
 
-def choose(logits: mx.array, params: list[SamplingParams], keys: list[int]) -> mx.array:
+def choose(logits: mx.array, params: list[SamplingParams], keys: list[int] | mx.array) -> mx.array:
     """One token per row (lazy): argmax for greedy rows; for the others the Gumbel-max draw
     argmax(log p + g) from the filtered distribution p, with noise keyed by `keys[r]`
     (ignored for greedy rows)."""

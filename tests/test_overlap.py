@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.scripted import ScriptedDrafter, published_profile
-from families.lfm2 import open_target
+from families.lfm2 import attention_kernel, conv_kernel, open_target
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
@@ -20,9 +20,11 @@ from lanes.acceptance import greedy_accept_length
 from lanes.lane import FinishReason, Request
 from lanes.protocols import DeviceLengths
 from lanes.round import DraftedDispatch, RoundRunner
-from lanes.sampling import SamplingParams
+from lanes.sampling import SamplingParams, noise_key, noise_keys_on_device
 from lanes.verify import accepted_on_device
 from tests.priced import tiny_engine
+from tests.test_attention_kernel import emulated_pool_attention
+from tests.test_conv_kernel import emulated_gated_conv, emulated_kept_states
 
 PROMPTS = [[1] + [int(t) for t in np.random.default_rng(40 + i).integers(15, 500, 3 + 4 * i)] for i in range(16)]
 MAX_TOKENS = 48
@@ -45,9 +47,9 @@ def overlapped(monkeypatch):
     launched = []
     dispatch = RoundRunner._dispatch_drafted
 
-    def counting(self, lanes, anchors, lengths):
-        launched.append((len(lanes), lengths is not None))
-        return dispatch(self, lanes, anchors, lengths)
+    def counting(self, lanes, previous):
+        launched.append((len(lanes), previous is not None))
+        return dispatch(self, lanes, previous)
 
     monkeypatch.setattr(RoundRunner, "_dispatch_drafted", counting)
     return launched
@@ -121,16 +123,66 @@ def test_stop_strings_end_a_lane_exactly(dense_dir, drafter_dir, plain, overlapp
     assert any(from_device for _, from_device in overlapped)
 
 
-def test_lanes_that_need_their_tokens_on_the_host_take_one_round_at_a_time(dense_dir, drafter_dir, plain, overlapped):
-    # A sampled lane, a penalised one or one asking for logprobs keeps every round of its
-    # batch in step; alone, greedy lanes overlap again.
-    sampled = SamplingParams(temperature=0.8, seed=3)
-    requests = lambda: [Request(PROMPTS[0], MAX_TOKENS), Request(PROMPTS[1], MAX_TOKENS, sampled),
-                        Request(PROMPTS[2], MAX_TOKENS, logprobs=2), Request(PROMPTS[3], MAX_TOKENS, SamplingParams(repetition_penalty=1.2))]
-    reference = engine_for(dense_dir, lanes=4).generate(requests())
-    done = engine_for(dense_dir, drafter_dir, None, lanes=4).generate(requests())
+SAMPLED = [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+           SamplingParams(temperature=0.6, top_k=20, seed=5), SamplingParams(temperature=0.9, min_p=0.05, seed=6)]
+
+
+def with_logprobs(engine, requests):
+    """Completions and each request's logprob entries, as the events brought them."""
+    entries = {}
+    for r in requests:
+        r.on_event = lambda e: entries.setdefault(e.request_id, []).extend(e.logprobs or [])
+    return engine.generate(requests), entries
+
+
+def test_sampled_lanes_and_lanes_with_logprobs_overlap_exactly(dense_dir, drafter_dir, overlapped):
+    # Seeded draws keyed by the device's positions, and logprobs read as the round lands:
+    # token for token (and logprob for logprob) what a plain run gives.
+    requests = lambda: ([Request(p, MAX_TOKENS, s, id=f"s{i}") for i, (p, s) in enumerate(zip(PROMPTS, SAMPLED))]
+                        + [Request(PROMPTS[4], MAX_TOKENS, SAMPLED[0], id="lp-sampled", logprobs=3),
+                           Request(PROMPTS[5], MAX_TOKENS, id="lp-greedy", logprobs=0)])
+    reference, expected = with_logprobs(engine_for(dense_dir, lanes=6), requests())
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS[:4] + PROMPTS[4:6], [r.token_ids for r in reference]), lanes=6)
+    done, got = with_logprobs(engine, requests())
     assert [d.token_ids for d in done] == [r.token_ids for r in reference]
-    assert not any(from_device for _, from_device in overlapped)
+    for key in ("lp-sampled", "lp-greedy"):
+        assert [(e.token_id, [t for t, _ in e.top]) for e in got[key]] == [(e.token_id, [t for t, _ in e.top]) for e in expected[key]]
+        # A verify of several rows rounds a little differently from a one-row step.
+        assert [e.logprob for e in got[key]] == pytest.approx([e.logprob for e in expected[key]], abs=1e-4)
+    assert sum(1 for _, from_device in overlapped if from_device) >= 4
+    assert sum(d.draft.accepted for d in done) >= 12
+
+
+@pytest.mark.parametrize("steady_shapes", [False, True])
+def test_lanes_with_repetition_penalties_overlap_exactly(steady_shapes, dense_dir, drafter_dir, overlapped):
+    # What a lane has seen is kept on the device: its tokens, the kept ones of the round
+    # in flight, and in a round each row's drafts before it.
+    settings = [dict(temperature=0.7, top_p=0.95, repetition_penalty=1.2), dict(repetition_penalty=1.3), dict(),
+                dict(temperature=0.9, min_p=0.05, repetition_penalty=1.1)]
+    prompts = [PROMPTS[i] + [40 + i] for i in range(8)]
+    requests = lambda: [Request(p, MAX_TOKENS, SamplingParams(seed=70 + i, **settings[i % 4])) for i, p in enumerate(prompts)]
+    reference = engine_for(dense_dir, lanes=8).generate(requests())
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(prompts, [r.token_ids for r in reference]), lanes=8,
+                        steady_shapes=steady_shapes)
+    done = engine.generate(requests())
+    assert [d.token_ids for d in done] == [r.token_ids for r in reference]
+    assert sum(1 for _, from_device in overlapped if from_device) >= 4
+    assert sum(d.draft.accepted for d in done) >= 16
+
+
+def test_prompt_lookup_keeps_drafted_rounds_in_step(dense_dir, drafter_dir, plain, overlapped):
+    # A lookup proposal is found in the lane's tokens, which the host must know each round.
+    engine = engine_for(dense_dir, drafter_dir, None, lanes=3, prompt_lookup=2)
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:3]])
+    assert [d.token_ids for d in done] == plain[:3]
+    assert not engine.rounds.overlap and not overlapped
+
+
+def test_noise_keys_on_the_device_are_the_hosts():
+    seeds = [0, 1, 2**32 + 7, 2**64 - 1, 123456789012345]
+    positions = [[0, 1, 2], [5, 6, 7], [2**20, 2**20 + 1, 9], [70000, 3, 4], [1, 1, 2]]
+    device = noise_keys_on_device(seeds, mx.array(positions, dtype=mx.int32)).tolist()
+    assert device == [[noise_key(s, p) for p in row] for s, row in zip(seeds, positions)]
 
 
 def test_overlapped_rounds_record_prefix_blocks_that_resume_exactly(dense_dir, drafter_dir, plain, overlapped):
@@ -161,6 +213,27 @@ def test_long_replies_reach_the_context_limit_exactly(tmp_path, overlapped):
     done = drafted.generate([Request(p, limit) for p in prompts])
     assert [(d.token_ids, d.finish_reason) for d in done] == [(c.token_ids, c.finish_reason) for c in plain]
     assert sum(1 for _, from_device in overlapped if from_device) >= 20
+
+
+def test_overlapped_rounds_through_the_kernels_paths_equal_plain(tmp_path, monkeypatch, overlapped):
+    # What CUDA runs: the attention kernel reads the device's lengths as its offsets and
+    # the conv kernel keeps states by the device's counts (both emulated here).
+    calls = []
+    monkeypatch.setattr(attention_kernel, "pool_attention", lambda *a, **kw: calls.append("attention") or emulated_pool_attention(*a, **kw))
+    monkeypatch.setattr(conv_kernel, "gated_conv", emulated_gated_conv)
+    monkeypatch.setattr(conv_kernel, "kept_states", lambda *a: calls.append("kept") or emulated_kept_states(*a))
+    target = make_tiny_target(tmp_path / "wide", "lfm2", seed=3, shape=TinyShape(hidden=128))
+    drafter = make_tiny_drafter(tmp_path / "wide_drafter", target, seed=4, block_size=9, head_dim=32)
+    plain = [c.token_ids for c in engine_for(target, lanes=3).generate([Request(p, 40) for p in PROMPTS[:3]])]
+    engine = engine_for(target, drafter, sequences_of(PROMPTS[:3], plain), lanes=3)
+    model, context = engine.target.model, engine.drafter.drafter.model
+    for layer in model.layers:
+        (layer.self_attn if layer.is_attention else layer.conv).by_kernel = True
+    for layer in context.layers:
+        layer.self_attn.by_kernel = True
+    done = engine.generate([Request(p, 40) for p in PROMPTS[:3]])
+    assert [d.token_ids for d in done] == plain
+    assert sum(1 for _, from_device in overlapped if from_device) >= 4 and {"attention", "kept"} <= set(calls)
 
 
 def test_moe_overlapped_equals_plain(moe_dir, moe_drafter_dir, overlapped):
