@@ -18,8 +18,9 @@ Where the device runs behind the host (a GPU), drafted rounds overlap as plain r
 do (`overlap`): the next round is built and launched from the anchors and lengths of
 the round before as the device holds them (its choices, seeded draws and penalties
 too, and its acceptance made on the device), and the round before is read while the
-next one runs. Prompt lookup and live prices need each round's tokens or drafts on the
-host: their rounds take one at a time.
+next one runs. Live prices read each round's drafts on the host first, so their rounds
+take one at a time; so does a round where a lane's tokens, as last read, hold a prompt
+lookup worth more than the drafter's proposal (found exactly at the anchor then).
 """
 
 from __future__ import annotations
@@ -226,9 +227,10 @@ class RoundRunner:
                 )
             self.proposals = draft_width - 1 if draft_width else min(drafter.width, VERIFY_WIDTH_CEILING - 1)
             self.start_learning()
-        # Lookup proposals and live prices read each round's tokens or drafts on the host.
+        # Live prices read each round's drafts on the host before its verify.
         overlap = target.runs_behind_host() if overlap is None else overlap
-        self.overlap = overlap and drafter is not None and not self.prompt_lookup and not self.price_live
+        self.overlap = overlap and drafter is not None and not self.price_live
+        self._lookup_due = False  # the lanes' tokens, as the last overlapped round landed, held a lookup worth taking
 
     def start_learning(self) -> None:
         """Forget what drafted rounds taught: confidence calibration, counted chances, the
@@ -293,7 +295,8 @@ class RoundRunner:
                 eligible = []
         if not eligible:
             return self._plain(lanes, decision, context)
-        if self.overlap and len(eligible) == len(lanes) and all(self._overlappable(lane) for lane in lanes):
+        if (self.overlap and len(eligible) == len(lanes) and all(self._overlappable(lane) for lane in lanes)
+                and not self._lookup_wanted(lanes)):
             return self._overlapped(lanes, decision, context)
         # Drafting needs every lane's tokens on the host: land the round in flight first.
         events = self._land_inflight()
@@ -472,6 +475,17 @@ class RoundRunner:
         # max_tokens are cut when the round lands, as a lane's tokens past its end are.
         return lane.context + 2 * (self.proposals + 1) <= lane.context_limit
 
+    def _lookup_wanted(self, lanes: list[Lane]) -> bool:
+        """Whether a lane's tokens, as the host last read them, hold a lookup proposal worth
+        more than the drafter's (`_looked_up`): its round then takes one at a time, the
+        lookup found at its anchor. With a drafted round in flight, that read is the one
+        taken as the round before it landed."""
+        if not self.prompt_lookup:
+            return False
+        if isinstance(self._inflight, DraftedDispatch):
+            return self._lookup_due
+        return bool(self._looked_up(lanes, lanes))
+
     def _overlapped(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
         previous = self._inflight
         if isinstance(previous, DraftedDispatch) and previous.lanes == lanes:
@@ -481,6 +495,8 @@ class RoundRunner:
             # lanes keep, not by every round's width.
             following.lengths = DeviceLengths(following.lengths.lengths,
                                               tuple(lane.target_slot.length + following.width for lane in lanes))
+            live = [lane for lane in lanes if not lane.finished]
+            self._lookup_due = bool(self.prompt_lookup and live and self._looked_up(live, live))
         else:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
@@ -518,7 +534,7 @@ class RoundRunner:
         pick = chain_pick(params, lambda k: [0] * n if keys is None else keys[:, k], seen)
         proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, pick, chain_logits=False,
                                         confidences=False, at=lengths)
-        draft_seconds = self.clock() - started
+        draft_seconds = self._draft_seconds = self.clock() - started
         drafts = [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)]
         depths = self._price(lanes, lanes, drafts, draft_seconds)
         width = self.verify_width(1 + max(depths))

@@ -170,12 +170,15 @@ def test_lanes_with_repetition_penalties_overlap_exactly(steady_shapes, dense_di
     assert sum(d.draft.accepted for d in done) >= 16
 
 
-def test_prompt_lookup_keeps_drafted_rounds_in_step(dense_dir, drafter_dir, plain, overlapped):
-    # A lookup proposal is found in the lane's tokens, which the host must know each round.
-    engine = engine_for(dense_dir, drafter_dir, None, lanes=3, prompt_lookup=2)
-    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:3]])
-    assert [d.token_ids for d in done] == plain[:3]
-    assert not engine.rounds.overlap and not overlapped
+def test_prompt_lookup_takes_its_rounds_in_step_and_the_rest_overlap(dense_dir, drafter_dir, plain, overlapped):
+    # Where a lane's reply loops, a lookup is worth more than the (random) drafter's
+    # proposal: those rounds run one at a time with the lookup found at the anchor, the
+    # others overlap; every token is the plain run's.
+    engine = engine_for(dense_dir, drafter_dir, None, lanes=8, prompt_lookup=2)
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:8]])
+    assert [d.token_ids for d in done] == plain[:8]
+    assert sum(d.draft.looked_up_rounds for d in done) >= 2
+    assert sum(1 for _, from_device in overlapped if from_device) >= 4
 
 
 def test_noise_keys_on_the_device_are_the_hosts():
