@@ -1,7 +1,7 @@
 """The embedded default: does its trained drafter get accepted, and does drafting pay?
 
     python -m bench.bench_default --out bench/results/NAME [--model DIR --drafter DIR] [--width 9] [--sampled] [--log FILE]
-        [--cells 6] [--repeats 1]
+        [--cells 6] [--repeats 1] [--in-step-beside]
 
 On the held-out prompts of bench/default_prompts.json (chat questions on held-out
 dictionary and jargon entries, openings of held-out paragraphs), greedy (or, with
@@ -17,7 +17,9 @@ dictionary and jargon entries, openings of held-out paragraphs), greedy (or, wit
   prompts are dealt into `--cells` cells in turn (prompt i to cell i mod cells, so each
   holds a like mix of chat and text; each pass over them with `--repeats` its own), each
   engine's tok/s over a cell taken against plain's over the same cell, reported as the
-  median [min-max] of those ratios.
+  median [min-max] of those ratios. `--in-step-beside` adds the last of these with
+  overlapped drafted rounds off (`EngineConfig.overlap`; on by default where the device
+  runs behind the host, a GPU), in the same turns.
 
 Every drafted output is checked against the plain one. `--log FILE` writes the lane
 core's debug log (every round and guard decision), each engine's run of each prompt
@@ -76,9 +78,9 @@ def run(args) -> dict:
     dspark = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=1)
     width = args.width or dspark.width + 1
 
-    def engine(drafter=None, draft_width=None, prompt_lookup=0):
+    def engine(drafter=None, draft_width=None, prompt_lookup=0, overlap=None):
         e = Engine(target, loaded.tokenizer, loaded.eos_ids, drafter,
-                   EngineConfig(max_streams=1, draft_width=draft_width, prompt_lookup=prompt_lookup))
+                   EngineConfig(max_streams=1, draft_width=draft_width, prompt_lookup=prompt_lookup, overlap=overlap))
         if drafter is not None and draft_width is None:
             e.warm_up()
         return e
@@ -90,6 +92,8 @@ def run(args) -> dict:
         "dspark_lookup_priced": engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP),
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
     }
+    if args.in_step_beside:
+        engines["dspark_lookup_priced_in_step"] = engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP, overlap=False)
     prompts = [encode(loaded.tokenizer, p) for p in json.loads(PROMPTS.read_text())["prompts"]]
     defaults = generation_defaults(args.model) if args.sampled else {}
     samplings = [SamplingParams(**defaults, seed=1000 + i if defaults else None) for i in range(len(prompts))]
@@ -168,6 +172,8 @@ def main() -> None:
     p.add_argument("--log", help="write the lane core's debug log (rounds, guard decisions) here")
     p.add_argument("--cells", type=int, default=6, help="cells the prompts are dealt into in turn, whose ratios give the spread")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (each pass its own cells)")
+    p.add_argument("--in-step-beside", action="store_true",
+                   help="also run the default engine with overlapped drafted rounds off, in the same turns")
     args = p.parse_args()
     if not 1 <= args.cells <= len(json.loads(PROMPTS.read_text())["prompts"]) or args.repeats < 1:
         p.error("--cells must be within 1..the number of prompts and --repeats at least 1")
