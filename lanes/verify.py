@@ -100,7 +100,9 @@ def accepted_on_device(fed: mx.array, choices: mx.array, depths: list[int]) -> m
     each lane fed `[N, W]` (anchor, then drafts and padding) and the target's choice on
     each `[N, W]`, the drafts each lane keeps `[N]`: the longest run of drafts that equal
     the choice on the row before them, at most the lane's priced `depths`."""
-    if fed.shape[1] == 1:
+    drafts = fed.shape[1] - 1
+    if drafts == 0:
         return mx.zeros((fed.shape[0],), dtype=mx.int32)
-    matches = (fed[:, 1:] == choices[:, :-1]).astype(mx.int32)
-    return mx.minimum(mx.cumprod(matches, axis=1).sum(axis=1), mx.array(depths, dtype=mx.int32))
+    # The run ends at the first draft that differs from its choice (none: every draft).
+    first_miss = mx.where(fed[:, 1:] == choices[:, :-1], drafts, mx.arange(drafts, dtype=mx.int32)).min(axis=1)
+    return mx.minimum(first_miss, mx.array(depths, dtype=mx.int32))
