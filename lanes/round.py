@@ -575,7 +575,7 @@ class RoundRunner:
         chosen, accepted, width = dispatch.choices.tolist(), dispatch.accepted.tolist(), dispatch.width
         per_row = read_logprobs(dispatch.logprobs, chosen, dispatch.wanted)
         problems = self.drafter.validate(dispatch.proposal)
-        events, counts = [], []
+        events, counts, committed = [], [], []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for i, (lane, depth, kept) in enumerate(zip(dispatch.lanes, dispatch.depths, accepted)):
             if lane.finished:  # it ended in the round before: these rows were wasted
@@ -583,24 +583,15 @@ class RoundRunner:
                 continue
             tokens = chosen[i * width : i * width + kept + 1]  # the kept drafts equal the choices before them
             counts.append(kept + 1)
-            self.drafter.landed([lane.drafter_slot], [[lane.anchor, *tokens[:kept]]])
+            committed.append((lane.drafter_slot, [lane.anchor, *tokens[:kept]]))
             if problems[i] is not None:  # what it kept equals the target's own choices all the same
                 lane.stats.errors.append(str(problems[i]))
                 log.warning("lane %s: %s", lane.id, problems[i])
-            lane.stats.rounds += 1
-            if depth:
-                lane.stats.drafted_rounds += 1
-                lane.stats.proposed += depth
-                lane.stats.accepted += kept
-                lane.stats.accepted_per_round.append(kept)
-                self.counted_chances[lane.request.sampling.greedy].observe(0, depth, kept)
-                self._drafter_yield.append(kept)
-                for k in range(depth):
-                    proposed_at[k] += 1
-                    accepted_at[k] += k < kept
+            self._learn(lane, 0, depth, kept, proposed_at, accepted_at)
             logprobs = per_row[i * width : i * width + kept + 1] if lane.request.logprobs is not None else None
             events.append((lane, lane.emit(tokens, logprobs)))
         self.target.count(dispatch.out, counts)
+        self.drafter.landed([slot for slot, _ in committed], [ids for _, ids in committed])
         seconds = self._round_seconds(dispatch, pipelined=True)
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)
@@ -830,6 +821,26 @@ class RoundRunner:
         seen = self.seen.rows(lanes, out.widths)
         return mark(seen, rows, fed[mx.array(fed_index, dtype=mx.int32)]) if rows else seen
 
+    def _learn(self, lane: Lane, source: int, depth: int, accepted: int, proposed_at: list[int], accepted_at: list[int]) -> None:
+        """What a lane's round teaches, `depth` drafts from `source` (0: the drafter, n: a
+        lookup after an n-token match) verified and `accepted` kept: its stats, the counted
+        chances of its kind of lane, the drafter's yield, the round's drafts by position."""
+        lane.stats.rounds += 1
+        if not depth:
+            return
+        lane.stats.drafted_rounds += 1
+        lane.stats.proposed += depth
+        lane.stats.accepted += accepted
+        lane.stats.accepted_per_round.append(accepted)
+        self.counted_chances[lane.request.sampling.greedy].observe(source, depth, accepted)
+        if source:
+            lane.stats.looked_up_rounds += 1
+        else:
+            self._drafter_yield.append(accepted)
+        for k in range(depth):
+            proposed_at[k] += 1
+            accepted_at[k] += k < accepted
+
     def _commit(self, lanes: list[Lane], drafting: list[Lane], windows: list[Window], drafts: list[Draft],
                 out, outcomes) -> tuple[list, list[int], list[int]]:
         """Keep each lane's accepted rows (KV trimmed, conv state rebuilt, taps queued for
@@ -844,24 +855,12 @@ class RoundRunner:
             if lane.drafter_slot is not None:
                 lane.pending_taps.append((out.taps, start, start + 1 + outcome.accepted))
                 lane.pending_tokens += [lane.anchor] + window.drafts[: outcome.accepted]
-            lane.stats.rounds += 1
             depth = len(window.drafts)
-            if depth:
-                draft = draft_of[id(lane)]
-                lane.stats.drafted_rounds += 1
-                lane.stats.proposed += depth
-                lane.stats.accepted += outcome.accepted
-                lane.stats.accepted_per_round.append(outcome.accepted)
-                self.counted_chances[lane.request.sampling.greedy].observe(draft.ngram, depth, outcome.accepted)
-                if draft.ngram:
-                    lane.stats.looked_up_rounds += 1
-                else:
-                    if self.price_live:  # calibrated confidences price only rounds that read the proposal first
-                        self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
-                    self._drafter_yield.append(outcome.accepted)
-                for k in range(depth):
-                    proposed_at[k] += 1
-                    accepted_at[k] += k < outcome.accepted
+            draft = draft_of[id(lane)] if depth else None
+            # Calibrated confidences price only rounds that read the proposal first.
+            if draft is not None and not draft.ngram and self.price_live:
+                self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
+            self._learn(lane, draft.ngram if draft else 0, depth, outcome.accepted, proposed_at, accepted_at)
             events.append((lane, lane.emit(outcome.tokens, outcome.logprobs)))
         self.fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
         return events, proposed_at, accepted_at
