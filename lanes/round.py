@@ -344,12 +344,17 @@ class RoundRunner:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
             following = self._dispatch(live, [lane.anchor for lane in live], lag=0) if live else None
+        self._hold(following, decision, context)
+        return events
+
+    def _hold(self, following: PlainDispatch | DraftedDispatch | None, decision: GuardDecision | None, context: int) -> None:
+        """Keep the round just launched in flight, with what decided it, unless every lane
+        in it ended as the round before landed."""
         if following is not None and all(lane.finished for lane in following.lanes):
-            following = None  # every lane ended as the round before landed
+            following = None
         if following is not None:
             following.decision, following.context = decision, context
         self._inflight = following
-        return events
 
     def plain_key_bucket(self, lanes: int) -> int:
         # One lane attends its exact span with the fused one-query kernel; several lanes
@@ -501,11 +506,7 @@ class RoundRunner:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
             following = self._dispatch_drafted(live, None) if live else None
-        if following is not None and all(lane.finished for lane in following.lanes):
-            following = None  # every lane ended as the round before landed
-        if following is not None:
-            following.decision, following.context = decision, context
-        self._inflight = following
+        self._hold(following, decision, context)
         return events
 
     def _dispatch_drafted(self, lanes: list[Lane], previous: DraftedDispatch | None) -> DraftedDispatch:
@@ -514,17 +515,10 @@ class RoundRunner:
         started = self.clock()
         g, n = self.proposals, len(lanes)
         params = [lane.request.sampling for lane in lanes]
-        penalties = [p.repetition_penalty for p in params]
-        if previous is None:  # the lanes' contexts first brought up to their committed tokens
-            self.fold_pending(lanes, launch=False)
-            held = [lane.target_slot.length for lane in lanes]
-            if held != [lane.drafter_slot.length for lane in lanes]:
-                raise RuntimeError(f"drafter contexts of {[lane.drafter_slot.length for lane in lanes]} rows "
-                                   f"for {held} committed tokens: the lane core let them drift apart")
-            lengths = DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held))
+        if previous is None:
+            lengths, seen = self._host_state(lanes)
             proposed_after = [lane.anchor for lane in lanes]  # known on the host this once
             anchors = mx.array(proposed_after, dtype=mx.int32)
-            seen = self.seen.rows(lanes) if any(p != 1.0 for p in penalties) else None
         else:
             lengths, anchors, seen = previous.lengths, previous.anchors, previous.seen
             proposed_after = anchors
@@ -535,22 +529,16 @@ class RoundRunner:
         proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, pick, chain_logits=False,
                                         confidences=False, at=lengths)
         draft_seconds = self._draft_seconds = self.clock() - started
-        drafts = [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)]
-        depths = self._price(lanes, lanes, drafts, draft_seconds)
+        depths = self._price(lanes, lanes, [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)],
+                             draft_seconds)
         width = self.verify_width(1 + max(depths))
         drafted = mx.clip(proposal.tokens[:, : width - 1], 0, self.target.vocab_size - 1).astype(mx.int32)
         fed = mx.concatenate([anchors[:, None], drafted], axis=1)  # [N, width]: anchor, drafts, later drafts as padding
         out = self.target.forward([lane.target_slot for lane in lanes], fed.reshape(-1), widths=[width] * n,
                                   taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET, at=lengths)
         rows = [p for p in params for _ in range(width)]
-        scored = out.logits
-        if seen is not None:  # verify row k sees the lane's tokens and its drafts 1..k
-            marked = [(i * width + k, i * width + j) for i in range(n) for k in range(1, width) for j in range(1, k + 1)]
-            by_row = mx.repeat(seen, width, axis=0)
-            if marked:
-                by_row = mark(by_row, [r for r, _ in marked], fed.reshape(-1)[mx.array([f for _, f in marked], dtype=mx.int32)])
-            scored = penalize(scored, by_row, [p.repetition_penalty for p in rows])
-        choices = choose(scored, rows, [0] * len(rows) if keys is None else keys[:, :width].reshape(-1))
+        choices = choose(self._penalized_rows(out.logits, fed, seen, rows), rows,
+                         [0] * len(rows) if keys is None else keys[:, :width].reshape(-1))
         wanted = [lane.request.logprobs for lane in lanes for _ in range(width)]
         logprobs = logprob_arrays(out.logits, choices, wanted)
         grid = choices.reshape(n, width)
@@ -566,6 +554,31 @@ class RoundRunner:
                       *proposal.arrays(), *self.target.state_arrays(), *self.drafter.state_arrays())
         return DraftedDispatch(lanes, out, proposal, width, depths, choices, accepted, following, after, started, draft_seconds,
                                logprobs, wanted, seen)
+
+    def _host_state(self, lanes: list[Lane]) -> tuple[DeviceLengths, mx.array | None]:
+        """Where a first overlapped round starts: the lanes' contexts brought up to their
+        committed tokens, their lengths, and what they have seen (None: no penalty)."""
+        self.fold_pending(lanes, launch=False)
+        held = [lane.target_slot.length for lane in lanes]
+        if held != [lane.drafter_slot.length for lane in lanes]:
+            raise RuntimeError(f"drafter contexts of {[lane.drafter_slot.length for lane in lanes]} rows "
+                               f"for {held} committed tokens: the lane core let them drift apart")
+        penalized = any(lane.request.sampling.repetition_penalty != 1.0 for lane in lanes)
+        return DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held)), self.seen.rows(lanes) if penalized else None
+
+    @staticmethod
+    def _penalized_rows(logits: mx.array, fed: mx.array, seen: mx.array | None, rows: list[SamplingParams]) -> mx.array:
+        """A verify's logits `[N * W, V]` under each row's repetition penalty (as they are
+        without one): row k of a lane has seen the lane's tokens (`seen [N, V]`) and its
+        drafts 1..k (`fed [N, W]`)."""
+        if seen is None:
+            return logits
+        n, width = fed.shape
+        marked = [(i * width + k, i * width + j) for i in range(n) for k in range(1, width) for j in range(1, k + 1)]
+        by_row = mx.repeat(seen, width, axis=0)
+        if marked:
+            by_row = mark(by_row, [r for r, _ in marked], fed.reshape(-1)[mx.array([f for _, f in marked], dtype=mx.int32)])
+        return penalize(logits, by_row, [p.repetition_penalty for p in rows])
 
     def _land_drafted(self, dispatch: DraftedDispatch, draft_seconds: float) -> list:
         """Read an overlapped drafted round: emit each lane's tokens, count its kept rows
