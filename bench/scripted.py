@@ -114,6 +114,7 @@ class ScriptedDrafter:
         self._bases: list[int] = []
         for sequence in sequences:
             self.record(sequence)
+        self._device_blocks(drafter.width)  # built before any round is timed (a later width or recording extends it)
 
     def record(self, sequence: Sequence[int]) -> None:
         """Propose from this plain run too (once however often it is recorded). Call it on

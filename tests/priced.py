@@ -33,6 +33,17 @@ class AlwaysDraft:
         return {}
 
 
+class EveryThirdPlain(AlwaysDraft):
+    """A guard that drafts two rounds and keeps the third plain, over and over."""
+
+    def __init__(self):
+        self.decided = 0
+
+    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
+        self.decided += 1
+        return GuardDecision(self.decided % 3 != 0, False, Band.of(lanes, context_tokens), None, None, "every third plain (test)")
+
+
 class FlatCosts(CostTable):
     """Every round costs one second whatever its rows. Live rounds teach it nothing: the
     table a round observes into would otherwise turn this machine's timings into verify

@@ -11,6 +11,7 @@ import pytest
 
 from bench.bench_engine import Setup, compare, decode_run, drafting_cost
 from bench.scripted import falling_with_context_profile
+from tests.priced import EveryThirdPlain
 
 
 def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_dir):
@@ -19,6 +20,7 @@ def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_
     prompts = setup.prompts(np.random.default_rng(0), 1, 300)
     recorded = decode_run(setup.plain, prompts, 12)["tokens"]
     drafted = setup.scripted(falling_with_context_profile(), [p + t for p, t in zip(prompts, recorded)])
+    drafted.rounds.guard = EveryThirdPlain()  # plain rounds beside drafted ones whatever the clock says
     result = compare(setup.plain, drafted, prompts, 12, 2)
     assert result["exact"] and result["drafting_cost"] is not None
     for engine, runs in ((setup.plain, 3), (drafted, 2)):

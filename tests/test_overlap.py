@@ -17,14 +17,12 @@ from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
 from lanes.acceptance import greedy_accept_length
-from lanes.bands import Band
-from lanes.guard import GuardDecision
 from lanes.lane import FinishReason, Request
 from lanes.protocols import DeviceLengths
 from lanes.round import DraftedDispatch, RoundRunner
 from lanes.sampling import SamplingParams, noise_key, noise_keys_on_device
 from lanes.verify import accepted_on_device
-from tests.priced import tiny_engine
+from tests.priced import EveryThirdPlain, tiny_engine
 from tests.test_attention_kernel import emulated_pool_attention
 from tests.test_conv_kernel import emulated_gated_conv, emulated_kept_states
 
@@ -72,22 +70,8 @@ def test_overlapped_drafted_rounds_equal_plain(width, lanes, dense_dir, drafter_
     assert sum(d.draft.accepted for d in done) >= 2 * lanes  # partial accepts, at several depths
 
 
-class EveryThirdPlain:
-    """A guard that drafts two rounds and keeps the third plain, over and over: every
-    switch between overlapped drafted rounds and pipelined plain ones, both ways."""
-
-    def __init__(self):
-        self.decided = 0
-
-    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
-        self.decided += 1
-        return GuardDecision(self.decided % 3 != 0, False, Band.of(lanes, context_tokens), None, None, "alternating (test)")
-
-    def record(self, decision, round_seconds, emitted_tokens) -> None:
-        pass
-
-
 def test_switching_between_plain_and_overlapped_rounds_stays_exact(dense_dir, drafter_dir, plain, overlapped):
+    # Every switch between overlapped drafted rounds and pipelined plain ones, both ways.
     engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=4)
     engine.rounds.guard = EveryThirdPlain()
     done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:4]])
