@@ -127,6 +127,7 @@ class DraftedDispatch:
     lanes: list[Lane]
     out: object  # the target's RoundOutput
     proposal: object  # the drafter's, read for its faults when the round lands
+    drafting: list[int]  # the lanes (by index) it proposed for, in its rows' order; the others rode along
     width: int  # rows every lane fed
     depths: list[int]  # drafts priced into each lane's window
     choices: mx.array  # lazy [N * width]: the target's choice on every row
@@ -295,8 +296,7 @@ class RoundRunner:
                 eligible = []
         if not eligible:
             return self._plain(lanes, decision, context)
-        if (self.overlap and len(eligible) == len(lanes) and all(self._overlappable(lane) for lane in lanes)
-                and not self._lookup_wanted(lanes)):
+        if self.overlap and all(self._overlappable(lane) for lane in lanes) and not self._lookup_wanted(lanes):
             return self._overlapped(lanes, decision, context)
         # Drafting needs every lane's tokens on the host: land the round in flight first.
         events = self._land_inflight()
@@ -471,8 +471,9 @@ class RoundRunner:
     # caches keep what it says, and the drafter's context takes every verify row at once
     # (rows past the kept ones lie beyond the new length, unread and overwritten). The
     # round before is read while this one runs: its tokens (and logprobs) are emitted,
-    # its lengths counted on the host. A lane that ends in round t has round t+1's rows
-    # wasted, dropped with its caches.
+    # its lengths counted on the host. Lanes that do not draft (no drafter slot) ride
+    # along with no drafts. A lane that ends in round t has round t+1's rows wasted,
+    # dropped with its caches.
 
     def _overlappable(self, lane: Lane) -> bool:
         # Room in the context for the round in flight and the next, each of up to the
@@ -511,29 +512,35 @@ class RoundRunner:
 
     def _dispatch_drafted(self, lanes: list[Lane], previous: DraftedDispatch | None) -> DraftedDispatch:
         """Build and launch a drafted round from the anchors, lengths (and seen tokens) of
-        the round in flight, `previous`, as the device holds them, or (None) the host's."""
+        the round in flight, `previous`, as the device holds them, or (None) the host's.
+        Lanes without a drafter ride along with no drafts: their anchor and padding."""
         started = self.clock()
         g, n = self.proposals, len(lanes)
         params = [lane.request.sampling for lane in lanes]
         if previous is None:
             lengths, seen = self._host_state(lanes)
-            proposed_after = [lane.anchor for lane in lanes]  # known on the host this once
-            anchors = mx.array(proposed_after, dtype=mx.int32)
+            anchors = mx.array([lane.anchor for lane in lanes], dtype=mx.int32)
         else:
             lengths, anchors, seen = previous.lengths, previous.anchors, previous.seen
-            proposed_after = anchors
         keys = None
         if not all(p.greedy for p in params):  # row k of a block or a verify decides position length + 1 + k
             keys = noise_keys_on_device([lane.seed for lane in lanes], lengths.lengths[:, None] + 1 + mx.arange(g + 1))
-        pick = chain_pick(params, lambda k: [0] * n if keys is None else keys[:, k], seen)
-        proposal = self.drafter.propose([lane.drafter_slot for lane in lanes], proposed_after, g, pick, chain_logits=False,
-                                        confidences=False, at=lengths)
+        drafting = [i for i, lane in enumerate(lanes) if lane.drafter_slot is not None]
+        of_drafting = (lambda a: a) if len(drafting) == n else (lambda a: a[mx.array(drafting, dtype=mx.int32)])
+        at = DeviceLengths(of_drafting(lengths.lengths), tuple(lengths.bounds[i] for i in drafting))
+        pick = chain_pick([params[i] for i in drafting], lambda k: [0] * len(drafting) if keys is None else of_drafting(keys[:, k]),
+                          None if seen is None else of_drafting(seen))
+        proposed_after = [lanes[i].anchor for i in drafting] if previous is None else of_drafting(anchors)  # the host's this once
+        proposal = self.drafter.propose([lanes[i].drafter_slot for i in drafting], proposed_after, g, pick, chain_logits=False,
+                                        confidences=False, at=at)
         draft_seconds = self._draft_seconds = self.clock() - started
-        depths = self._price(lanes, lanes, [Draft(None, self._counted(0, lane, g), row=i) for i, lane in enumerate(lanes)],
-                             draft_seconds)
+        priced = self._price(lanes, [lanes[i] for i in drafting],
+                             [Draft(None, self._counted(0, lanes[i], g), row=r) for r, i in enumerate(drafting)], draft_seconds)
+        depths = [0] * n
+        for i, depth in zip(drafting, priced):
+            depths[i] = depth
         width = self.verify_width(1 + max(depths))
-        drafted = mx.clip(proposal.tokens[:, : width - 1], 0, self.target.vocab_size - 1).astype(mx.int32)
-        fed = mx.concatenate([anchors[:, None], drafted], axis=1)  # [N, width]: anchor, drafts, later drafts as padding
+        fed = self._fed_on_device(anchors, proposal.tokens, drafting, width)
         out = self.target.forward([lane.target_slot for lane in lanes], fed.reshape(-1), widths=[width] * n,
                                   taps=self.drafter.tap_layers, key_bucket=KEY_BUCKET, at=lengths)
         rows = [p for p in params for _ in range(width)]
@@ -544,7 +551,8 @@ class RoundRunner:
         grid = choices.reshape(n, width)
         accepted = accepted_on_device(fed, grid, depths)
         self.target.keep(out, accepted + 1)
-        self.drafter.append_window([lane.drafter_slot for lane in lanes], out.taps, width, lengths)
+        taps = out.taps if len(drafting) == n else of_drafting(out.taps.reshape(n, width, -1)).reshape(len(drafting) * width, -1)
+        self.drafter.append_window([lanes[i].drafter_slot for i in drafting], taps, width, at)
         after = DeviceLengths(lengths.lengths + accepted + 1, tuple(b + width for b in lengths.bounds))
         following = mx.take_along_axis(grid, accepted[:, None], axis=1)[:, 0]
         if seen is not None:  # the tokens each lane keeps, the next anchor last
@@ -552,17 +560,31 @@ class RoundRunner:
             seen = seen.at[mx.repeat(mx.arange(n), width), grid.reshape(-1)].maximum(kept)
         mx.async_eval(choices, accepted, following, after.lengths, *logprobs, *([seen] if seen is not None else []),
                       *proposal.arrays(), *self.target.state_arrays(), *self.drafter.state_arrays())
-        return DraftedDispatch(lanes, out, proposal, width, depths, choices, accepted, following, after, started, draft_seconds,
-                               logprobs, wanted, seen)
+        return DraftedDispatch(lanes, out, proposal, drafting, width, depths, choices, accepted, following, after, started,
+                               draft_seconds, logprobs, wanted, seen)
+
+    def _fed_on_device(self, anchors: mx.array, drafts: mx.array, drafting: list[int], width: int) -> mx.array:
+        """The verify's rows `[N, width]`: each lane's anchor, then its drafts (the
+        proposal's row of a drafting lane, clipped into the vocabulary; the drafter's
+        later drafts past its depth), or for a lane without a drafter its anchor again."""
+        n = anchors.shape[0]
+        drafted = mx.clip(drafts[:, : width - 1], 0, self.target.vocab_size - 1).astype(mx.int32)
+        if len(drafting) < n:
+            row = {i: r for r, i in enumerate(drafting)}
+            drafted = mx.where(mx.array([i in row for i in range(n)])[:, None],
+                               drafted[mx.array([row.get(i, 0) for i in range(n)], dtype=mx.int32)], anchors[:, None])
+        return mx.concatenate([anchors[:, None], drafted], axis=1)
 
     def _host_state(self, lanes: list[Lane]) -> tuple[DeviceLengths, mx.array | None]:
-        """Where a first overlapped round starts: the lanes' contexts brought up to their
-        committed tokens, their lengths, and what they have seen (None: no penalty)."""
-        self.fold_pending(lanes, launch=False)
+        """Where a first overlapped round starts: the drafting lanes' contexts brought up to
+        their committed tokens, the lanes' lengths, and what they have seen (None: no
+        penalty)."""
+        drafting = [lane for lane in lanes if lane.drafter_slot is not None]
+        self.fold_pending(drafting, launch=False)
         held = [lane.target_slot.length for lane in lanes]
-        if held != [lane.drafter_slot.length for lane in lanes]:
-            raise RuntimeError(f"drafter contexts of {[lane.drafter_slot.length for lane in lanes]} rows "
-                               f"for {held} committed tokens: the lane core let them drift apart")
+        if [lane.target_slot.length for lane in drafting] != [lane.drafter_slot.length for lane in drafting]:
+            raise RuntimeError(f"drafter contexts of {[lane.drafter_slot.length for lane in drafting]} rows for "
+                               f"{[lane.target_slot.length for lane in drafting]} committed tokens: the lane core let them drift apart")
         penalized = any(lane.request.sampling.repetition_penalty != 1.0 for lane in lanes)
         return DeviceLengths(mx.array(held, dtype=mx.int32), tuple(held)), self.seen.rows(lanes) if penalized else None
 
@@ -587,7 +609,7 @@ class RoundRunner:
         `draft_seconds`, 0 where none was built), not its own."""
         chosen, accepted, width = dispatch.choices.tolist(), dispatch.accepted.tolist(), dispatch.width
         per_row = read_logprobs(dispatch.logprobs, chosen, dispatch.wanted)
-        problems = self.drafter.validate(dispatch.proposal)
+        problems = dict(zip(dispatch.drafting, self.drafter.validate(dispatch.proposal)))
         events, counts, committed = [], [], []
         proposed_at, accepted_at = [0] * self.proposals, [0] * self.proposals
         for i, (lane, depth, kept) in enumerate(zip(dispatch.lanes, dispatch.depths, accepted)):
@@ -596,8 +618,9 @@ class RoundRunner:
                 continue
             tokens = chosen[i * width : i * width + kept + 1]  # the kept drafts equal the choices before them
             counts.append(kept + 1)
-            committed.append((lane.drafter_slot, [lane.anchor, *tokens[:kept]]))
-            if problems[i] is not None:  # what it kept equals the target's own choices all the same
+            if lane.drafter_slot is not None:
+                committed.append((lane.drafter_slot, [lane.anchor, *tokens[:kept]]))
+            if problems.get(i) is not None:  # what it kept equals the target's own choices all the same
                 lane.stats.errors.append(str(problems[i]))
                 log.warning("lane %s: %s", lane.id, problems[i])
             self._learn(lane, 0, depth, kept, proposed_at, accepted_at)
@@ -608,7 +631,7 @@ class RoundRunner:
         seconds = self._round_seconds(dispatch, pipelined=True)
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)
-        report = RoundReport("drafted", n, n * width, emitted, seconds, n, 0, draft_seconds if draft_seconds < seconds else 0.0,
+        report = RoundReport("drafted", n, n * width, emitted, seconds, len(dispatch.drafting), 0, draft_seconds if draft_seconds < seconds else 0.0,
                              proposed_at, accepted_at)
         self._account(report, dispatch.decision, dispatch.context)
         return events

@@ -80,6 +80,17 @@ def test_switching_between_plain_and_overlapped_rounds_stays_exact(dense_dir, dr
     assert engine.rounds.counters.snapshot()["rounds_by_mode"]["plain"] >= 4
 
 
+def test_lanes_without_a_drafter_ride_along_in_overlapped_rounds(dense_dir, drafter_dir, plain, overlapped):
+    # A lane whose request turned drafting off feeds its anchor and padding, keeps one
+    # token a round, and leaves the drafting lanes overlapping.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=6)
+    done = engine.generate([Request(p, MAX_TOKENS, draft=i % 3 != 1) for i, p in enumerate(PROMPTS[:6])])
+    assert [d.token_ids for d in done] == plain[:6]
+    assert all(d.draft.drafted_rounds == 0 for d in done[1::3])
+    assert sum(d.draft.accepted for d in done) >= 8
+    assert sum(1 for lanes, from_device in overlapped if from_device and lanes == 6) >= 4
+
+
 def test_unscripted_drafts_rejected_mostly_stay_exact(dense_dir, drafter_dir, plain, overlapped):
     done = engine_for(dense_dir, drafter_dir, None, 8).generate([Request(p, MAX_TOKENS) for p in PROMPTS[:8]])
     assert [d.token_ids for d in done] == plain[:8]
