@@ -268,10 +268,12 @@ class Engine:
             published = self.rounds.run(decoding)
         except Exception as e:  # the failure stays with this round's lanes
             log.exception("round failed for %s", [lane.id for lane in decoding])
-            self.rounds.idle()  # a plain round in flight is dropped with its lanes
+            self.rounds.idle()  # a round in flight is dropped with its lanes
             for lane in decoding:
                 if not lane.finished:
                     self._publish(lane, lane.finish(FinishReason.ERROR, f"round failed: {type(e).__name__}: {e}"))
+                elif self._unpublished(lane):  # it ended as a round landed, before the failure: its last event still goes out
+                    self._publish(lane, lane.final_event)
             return
         for lane, event in published:
             self._publish(lane, event)
@@ -344,6 +346,11 @@ class Engine:
         for i, (token, logprob) in zip(read, firsts):
             lanes[i].state = LaneState.DECODING
             self._publish(lanes[i], lanes[i].emit([token], None if logprob is None else [logprob]))
+
+    def _unpublished(self, lane: Lane) -> bool:
+        """Whether the event that ended `lane` has not been published yet."""
+        with self._lock:
+            return lane.id in self._live
 
     def _publish(self, lane: Lane, event: LaneEvent) -> None:
         with self._lock:

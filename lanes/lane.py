@@ -159,6 +159,7 @@ class Lane:
         self.ngrams = None  # an NgramIndex of the lane's tokens, once prompt lookup asks for one
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache, not read
         self.cached_blocks: list = []  # the prefix cache's blocks this lane pins while it runs
+        self.final_event: LaneEvent | None = None  # the event that ended it, once it has ended
         self._detokenizer = detokenizer
         self._stops = StopMatcher(request.stop)
 
@@ -240,6 +241,7 @@ class Lane:
         return event
 
     def _finish(self, event: LaneEvent) -> None:
+        self.final_event = event
         self.state = LaneState.FINISHED
         self.timings.finished = event.time
         event.completion = self.completion()

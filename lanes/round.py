@@ -506,7 +506,9 @@ class RoundRunner:
         else:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
-            following = self._dispatch_drafted(live, None) if live else None
+            # The drafting lanes may all have ended as the round before landed: the others
+            # ride along only beside one that drafts, and go on next round.
+            following = self._dispatch_drafted(live, None) if any(lane.drafter_slot is not None for lane in live) else None
         self._hold(following, decision, context)
         return events
 

@@ -316,3 +316,29 @@ def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense
     engine.submit(Request([1] + list(range(20, 84)), 4))  # read in 8 slices beside the decoder's rounds
     engine.run_until_idle()
     assert len(seconds) > 20 and max(seconds) < 0.1, max(seconds)
+
+
+def test_a_round_that_fails_after_a_lane_ended_in_it_still_sends_that_lanes_last_event(dense_dir, solo):
+    # A round lands the round before (a lane ends there) and then fails building its own:
+    # the ended lane's final event goes out with its tokens, the others end in an error.
+    engine = make_engine(dense_dir, lanes=3)
+    run = engine.rounds.run
+
+    def failing_once_a_lane_ended(lanes):
+        events = run(lanes)
+        if any(event.finish_reason is not None for _, event in events):
+            raise RuntimeError("building the next round failed")
+        return events
+
+    engine.rounds.run = failing_once_a_lane_ended
+    finished = Finished()
+    lengths = [4, LENGTHS[1], LENGTHS[2]]
+    for p, n in zip(PROMPTS[:3], lengths):
+        engine.submit(Request(p, n, on_event=finished))
+    engine.run_until_idle()
+    done = [finished[r] for r in sorted(finished)]
+    assert len(done) == 3
+    ended = [d for d in done if d.finish_reason is FinishReason.LENGTH]
+    assert [d.token_ids for d in ended] == [solo[0][:4]]
+    assert all(d.finish_reason is FinishReason.ERROR and "building the next round failed" in d.error
+               for d in done if d not in ended)

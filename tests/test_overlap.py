@@ -91,6 +91,21 @@ def test_lanes_without_a_drafter_ride_along_in_overlapped_rounds(dense_dir, draf
     assert sum(1 for lanes, from_device in overlapped if from_device and lanes == 6) >= 4
 
 
+@pytest.mark.parametrize("at", range(3, 15))
+def test_a_batch_left_with_riders_only_goes_on_plainly(at, dense_dir, drafter_dir, plain, overlapped):
+    # The drafting lane ends at a stop string as the round before lands, leaving a lane
+    # that does not draft: no drafted round is built for it (there is nothing to
+    # propose), and it finishes as it would alone.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=2)
+    engine.rounds.guard = EveryThirdPlain()
+    stop = engine.tokenizer.decode(plain[0][at : at + 1])
+    requests = lambda: [Request(PROMPTS[0], MAX_TOKENS, stop=(stop,) if stop.strip() else ()),
+                        Request(PROMPTS[1], MAX_TOKENS, draft=False)]
+    reference = engine_for(dense_dir, lanes=2).generate(requests())
+    done = engine.generate(requests())
+    assert [(d.token_ids, d.error) for d in done] == [(r.token_ids, None) for r in reference]
+
+
 def test_unscripted_drafts_rejected_mostly_stay_exact(dense_dir, drafter_dir, plain, overlapped):
     done = engine_for(dense_dir, drafter_dir, None, 8).generate([Request(p, MAX_TOKENS) for p in PROMPTS[:8]])
     assert [d.token_ids for d in done] == plain[:8]
