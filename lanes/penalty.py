@@ -30,6 +30,18 @@ def mark(seen: mx.array, rows: list[int] | mx.array, tokens: list[int] | mx.arra
                    mx.array(tokens) if isinstance(tokens, list) else tokens].maximum(_TRUE)
 
 
+def with_drafts_before(seen: mx.array, fed: mx.array, windows: list[tuple[int, int]]) -> mx.array:
+    """`seen [R, V]`, what each verify row's lane has seen, with what the row has seen in
+    its own window too: for each window `(start, rows)` of the fed rows `fed [R]` (anchor,
+    then drafts), row start + k sees drafts start + 1 .. start + k (new array)."""
+    rows, fed_index = [], []
+    for start, count in windows:
+        for k in range(1, count):
+            rows += [start + k] * k
+            fed_index += range(start + 1, start + 1 + k)
+    return mark(seen, rows, fed[mx.array(fed_index, dtype=mx.int32)]) if rows else seen
+
+
 class SeenTokens:
     """Each penalised lane's prompt and generated tokens as a [V] boolean mask, folded in
     as the lane grows. Lanes are held weakly: a finished lane's mask goes with it."""

@@ -38,7 +38,7 @@ from .guard import DraftGuard, GuardDecision
 from .lane import Lane, LaneEvent
 from .logprobs import logprob_arrays, read_logprobs
 from .lookup import MAX_NGRAM, NgramIndex, check_min_ngram
-from .penalty import SeenTokens, mark, penalize
+from .penalty import SeenTokens, mark, penalize, with_drafts_before
 from .pricing import CostTable, CountedChances, NoCostData, chain_chances, plan_depths
 from .protocols import DeviceLengths
 from .sampling import SamplingParams, choose, noise_keys_on_device, row_keys
@@ -598,10 +598,7 @@ class RoundRunner:
         if seen is None:
             return logits
         n, width = fed.shape
-        marked = [(i * width + k, i * width + j) for i in range(n) for k in range(1, width) for j in range(1, k + 1)]
-        by_row = mx.repeat(seen, width, axis=0)
-        if marked:
-            by_row = mark(by_row, [r for r, _ in marked], fed.reshape(-1)[mx.array([f for _, f in marked], dtype=mx.int32)])
+        by_row = with_drafts_before(mx.repeat(seen, width, axis=0), fed.reshape(-1), [(i * width, width) for i in range(n)])
         return penalize(logits, by_row, [p.repetition_penalty for p in rows])
 
     def _land_drafted(self, dispatch: DraftedDispatch, draft_seconds: float) -> list:
@@ -851,13 +848,7 @@ class RoundRunner:
         lane's tokens, and the drafts before the row (taken from the fed rows)."""
         if all(w.params.repetition_penalty == 1.0 for w in windows):
             return None
-        rows, fed_index = [], []
-        for start, w in zip(out.row_starts, windows):
-            for k in range(1, w.rows):
-                rows += [start + k] * k
-                fed_index += range(start + 1, start + 1 + k)
-        seen = self.seen.rows(lanes, out.widths)
-        return mark(seen, rows, fed[mx.array(fed_index, dtype=mx.int32)]) if rows else seen
+        return with_drafts_before(self.seen.rows(lanes, out.widths), fed, [(start, w.rows) for start, w in zip(out.row_starts, windows)])
 
     def _learn(self, lane: Lane, source: int, depth: int, accepted: int, proposed_at: list[int], accepted_at: list[int]) -> None:
         """What a lane's round teaches, `depth` drafts from `source` (0: the drafter, n: a

@@ -40,6 +40,12 @@ from .config import Lfm2Config
 from .model import SMALL_QUERY, Lfm2Model
 
 
+def in_slot_order(values: mx.array, order: list[int]) -> mx.array:
+    """Per-lane `values` given in the caller's order, in slot order (`order[j]`: the
+    caller's index of the j-th lane by slot); no gather where the orders agree."""
+    return values if order == sorted(order) else values[mx.array(order, dtype=mx.int32)]
+
+
 class ContextLimitError(ValueError):
     """A lane would grow past the model's context limit."""
 
@@ -191,8 +197,8 @@ class Lfm2Target:
         if at is None:
             layout = RaggedLayout([widths[i] for i in order], [bounds[i] for i in order], key_bucket)
         else:
-            lengths = at.lengths if order == sorted(order) else at.lengths[mx.array(order, dtype=mx.int32)]
-            layout = RaggedLayout([widths[i] for i in order], None, key_bucket, offsets_array=lengths, reach=furthest)
+            layout = RaggedLayout([widths[i] for i in order], None, key_bucket, offsets_array=in_slot_order(at.lengths, order),
+                                  reach=furthest)
         for pool in self.kv.values():
             pool.reserve(layout.span)
         row_starts, position = [], 0
@@ -301,11 +307,7 @@ class Lfm2Target:
         count within 1..the lane's rows; `count` the round once it is."""
         record = output.record
         self._conv_version += 1
-        if isinstance(kept, mx.array):
-            kept_sorted = kept if record.order == sorted(record.order) else kept[mx.array(record.order, dtype=mx.int32)]
-            kept_sorted = kept_sorted.astype(mx.int32)
-        else:
-            kept_sorted = [kept[i] for i in record.order]
+        on_host = None if isinstance(kept, mx.array) else [kept[i] for i in record.order]  # slot order
         if record.conv_kept and record.conv_version == self._conv_version - 1:
             # A one-row round, kept before any other change to the conv pools: its
             # forward already built each pool with every row kept.
@@ -314,14 +316,14 @@ class Lfm2Target:
             return
         span = self.config.conv_kernel - 1
         layers = list(record.conv_windows)
-        kept_array = kept_sorted if isinstance(kept_sorted, mx.array) else mx.array(kept_sorted, dtype=mx.int32)
+        kept_array = mx.array(on_host, dtype=mx.int32) if on_host is not None else in_slot_order(kept, record.order).astype(mx.int32)
         if layers and all(self.model.layers[i].conv.by_kernel for i in layers):
             states = conv_kernel.kept_states([record.conv_windows[i] for i in layers], [self.conv[i].state for i in layers],
                                              record.layout.slot_ids([lane.slot for lane in record.lanes]), kept_array)
             for i, state in zip(layers, states):
                 self.conv[i].state = state
         elif layers:
-            if not isinstance(kept_sorted, mx.array) and all(k == record.layout.width for k in kept_sorted):
+            if on_host is not None and all(k == record.layout.width for k in on_host):
                 pick = None
             else:
                 # The state after keeping k rows: window rows k .. k + L-2.
