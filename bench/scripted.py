@@ -23,6 +23,23 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from lanes.bands import Band
+from lanes.guard import GuardDecision
+
+
+class AlwaysDraft:
+    """A guard that drafts every round: what a test or a soak wants drafted is drafted,
+    whatever the machine's timings say."""
+
+    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
+        return GuardDecision(True, False, Band.of(lanes, context_tokens), None, None, "always (measurement)")
+
+    def record(self, decision, round_seconds, emitted_tokens) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {}
+
 
 @dataclass(frozen=True)
 class SurvivalProfile:

@@ -13,24 +13,13 @@ builds the engines the tests drive, priced this way unless asked otherwise.
 
 from __future__ import annotations
 
-from bench.scripted import ScriptedDrafter, published_profile
+from bench.scripted import AlwaysDraft, ScriptedDrafter, published_profile
 from families.lfm2 import open_target
 from families.lfm2.drafter import load_drafter
 from lanes.bands import Band
 from lanes.engine import Engine, EngineConfig
 from lanes.guard import GuardDecision
 from lanes.pricing import CostTable
-
-
-class AlwaysDraft:
-    def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
-        return GuardDecision(True, False, Band.of(lanes, context_tokens), None, None, "always (test)")
-
-    def record(self, decision, round_seconds, emitted_tokens) -> None:
-        pass
-
-    def snapshot(self) -> dict:
-        return {}
 
 
 class EveryThirdPlain(AlwaysDraft):
