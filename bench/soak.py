@@ -14,10 +14,10 @@ drafting, prefix-cache hit or round kind it met.
                          [--overlap auto|on|off] [--always-draft] [--prefix-cache-mib N] [--out FILE]
 
 Without --model it soaks the embedded default with its drafter. `--overlap on` forces
-overlapped drafted rounds (lanes/round.py) where they would not be the default, as on the
-CPU, so their bookkeeping meets cancels, joins and ends; the CPU evaluates as it launches,
-so this tests their logic, not their timing. The JSON report (--out) carries the command,
-commit and machine.
+overlapped drafted rounds (lanes/round.py) with CUDA's steady shapes where they would not
+be the default, as on the CPU, so their bookkeeping meets cancels, joins and ends; the
+CPU evaluates as it launches, so this tests their logic, not their timing. The JSON
+report (--out) carries the command, commit and machine.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup", type=int, default=DEFAULT_PROMPT_LOOKUP,
                    help=f"prompt lookup beside the drafter, as `serve` runs it (default {DEFAULT_PROMPT_LOOKUP}; 0 off)")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
-                   help="overlapped drafted rounds: the backend's default, forced on (priced without live timing, as "
-                        "where shapes are steady), or off")
+                   help="overlapped drafted rounds: the backend's default, forced on (as on CUDA: steady shapes, "
+                        "priced without live timing), or off")
     p.add_argument("--always-draft", action="store_true",
                    help="draft every round the lanes can (the guards' timing on random prompts would keep most plain)")
     p.add_argument("--prefix-cache-mib", type=int, default=64, help="prefix cache budget (0 off)")
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     drafter = None
     if args.draft_model:
         drafter = load_drafter(args.draft_model, loaded.target.model, loaded.target.config, dtype=dtype, max_lanes=args.max_streams)
-    overlap = {"auto": {}, "on": {"overlap": True, "price_live": False}, "off": {"overlap": False}}[args.overlap]
+    overlap = {"auto": {}, "on": {"overlap": True, "steady_shapes": True, "price_live": False}, "off": {"overlap": False}}[args.overlap]
     config = EngineConfig(max_streams=args.max_streams, prompt_lookup=args.prompt_lookup,
                           prefix_cache_bytes=args.prefix_cache_mib << 20, **overlap)
     engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, drafter, config)

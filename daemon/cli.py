@@ -119,6 +119,9 @@ def add_drafting(p) -> None:
                    help="let a drafting lane copy drafts from where its last N or more tokens (N in 1..3) occurred before "
                    "in its prompt or reply, when that is worth more than the drafter's proposal; 0 drafts with the "
                    f"drafter only (default {DEFAULT_PROMPT_LOOKUP})")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each drafted round before building the next where they would otherwise overlap (a GPU "
+                   "whose rounds are not priced live: CUDA, or any with --draft-width); to compare, or to rule them out")
 
 
 def resolve_models(args) -> None:
@@ -194,7 +197,8 @@ def run_generate(args) -> int:
         prompt = tokenizer.encode(raw)
     drafter = open_drafter(args, loaded)
     engine = Engine(loaded.target, tokenizer, loaded.eos_ids, drafter, EngineConfig(max_streams=1, draft_width=args.draft_width,
-                                                                                   prompt_lookup=args.prompt_lookup))
+                                                                                   prompt_lookup=args.prompt_lookup,
+                                                                                   overlap=False if args.no_overlap else None))
     client = EngineClient(engine)
     client.start(warm_up=drafter is not None and args.draft_width is None and not args.no_draft)
     try:

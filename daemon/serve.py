@@ -103,9 +103,13 @@ def open_serving(args, config: ServerConfig, build_engine=Engine) -> tuple[Servi
     # The default is measured here, with the weights already in memory.
     cache_bytes = default_budget_bytes() if args.prefix_cache_bytes is None else args.prefix_cache_bytes
     engine_config = EngineConfig(max_streams=args.max_streams, max_waiting=args.max_queue, draft_width=args.draft_width,
-                                 prompt_lookup=args.prompt_lookup, prefix_cache_bytes=cache_bytes)
+                                 prompt_lookup=args.prompt_lookup, prefix_cache_bytes=cache_bytes,
+                                 overlap=False if args.no_overlap else None)
     engine = build_engine(target, loaded.tokenizer, loaded.eos_ids, drafter, engine_config)
     log.info("lanes: up to %d per round, %d waiting at most", args.max_streams, args.max_queue)
+    if drafter is not None:
+        log.info("drafted rounds: %s", "overlapped, each read while the next runs" if engine.rounds.overlap else
+                 "one at a time, each read before the next is built" + (" (--no-overlap)" if args.no_overlap else ""))
     log.info("context: %d tokens per request (prompt + max_tokens)", max_model_len)
     if cache_bytes:
         log.info("prefix cache: %.1f MB for prompt prefixes, in blocks of %d tokens%s", cache_bytes / MIB,

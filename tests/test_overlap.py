@@ -388,3 +388,26 @@ def test_scripted_proposals_from_the_device_equal_the_hosts(dense_dir, drafter_d
     ahead = [h + 11 for h in held]
     device = scripted.propose(contexts, mx.array(later), 9, at=DeviceLengths(mx.array(ahead, dtype=mx.int32), tuple(ahead)))
     assert device.tokens.tolist() == host.tokens.tolist()
+
+
+@pytest.mark.parametrize("flags, overlap", [([], None), (["--no-overlap"], False)])
+def test_no_overlap_reaches_the_engine_from_generate_and_serve(flags, overlap, dense_dir, drafter_dir, monkeypatch):
+    from daemon import cli
+    from daemon.serve import ServerConfig, open_serving
+    from lanes.engine import Engine
+
+    configs = []
+
+    def recording(*args):
+        configs.append(args[-1])
+        return Engine(*args)
+
+    monkeypatch.setattr(cli, "Engine", recording)
+    assert cli.main(["generate", "--model", str(dense_dir), "--draft-model", str(drafter_dir), "--prompt-ids", "1,5,9",
+                     "--max-tokens", "4", "--json", *flags]) == 0
+    args = cli.parser().parse_args(["serve", "--model", str(dense_dir), "--draft-model", str(drafter_dir), "--max-streams", "2",
+                                    *flags])
+    args.prefix_cache_bytes = 0  # as run_serve leaves it, parsed
+    serving, _ = open_serving(args, ServerConfig("tiny"), build_engine=recording)
+    serving.client.shutdown(0)
+    assert [config.overlap for config in configs] == [overlap, overlap]
