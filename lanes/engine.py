@@ -26,6 +26,7 @@ from .detokenize import IncrementalDetokenizer
 from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request, Timings
 from .prefix_cache import BLOCK_TOKENS, PrefixCache
 from .round import RoundRunner
+from .sampling import SamplingParams
 from .warmup import profile, rehearsal
 
 log = logging.getLogger("laneserve.engine")
@@ -162,18 +163,30 @@ class Engine:
 
         First a little synthetic traffic takes every path a round can (batched prefill,
         pipelined plain rounds, drafted rounds with partial accepts and lanes that do
-        not draft, context folds), at one lane and at `max_streams`, so that what a
-        backend builds on first use (kernels, plans) exists before a guard times it.
+        not draft, context folds; on a GPU, sampled lanes with every filter, a
+        repetition penalty and logprobs too, as the default model's generation_config
+        asks for), at one lane and at `max_streams`, so that what a backend builds on
+        first use (kernels, plans) exists before a guard times it or a request waits on
+        it. The CPU's kernels are built in: sampled lanes would only slow its start.
         What that traffic would teach (guard evidence, calibration, round costs,
         counters) goes to throwaway instances, and it counts in no total. Then every
         steady shape runs once and the cost table is seeded (see lanes/warmup.py)."""
         lanes, vocab = self.config.max_streams, self.target.vocab_size
         rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
         prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
+        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=0)
+
+        on_gpu = self.target.runs_behind_host()
+
+        def warm(i: int, draft: bool = True, sample: bool = False, logprobs: int | None = None) -> Request:
+            return Request(prompt(i), rows, sampled if sample and on_gpu else SamplingParams(), draft=draft,
+                           logprobs=logprobs if on_gpu else None, id=f"warm-up-{i}")
+
         batches = [
-            [Request(prompt(i), rows, draft=i % 4 != 3, id=f"warm-up-{i}") for i in range(lanes)],  # drafted, some plain
-            [Request(prompt(i), rows, draft=False, id=f"warm-up-{i}") for i in range(lanes)],  # plain, pipelined
-            [Request(prompt(0), rows, id="warm-up-0")],
+            # drafted, some lanes plain; then plain, pipelined; each lane sampled in one of them
+            [warm(i, i % 4 != 3, i % 2 == 1, 2 if i % 4 == 1 else None) for i in range(lanes)],
+            [warm(i, False, i % 2 == 0, 2 if i % 4 == 0 else None) for i in range(lanes)],
+            [warm(0, True, True, 2)],  # one lane
         ]
         if self.prefix_cache is not None:  # a prefix read, then resumed: its copies run kernels of their own
             block = self.prefix_cache.block_tokens

@@ -227,6 +227,30 @@ def test_warm_up_rehearses_drafted_rounds_and_leaves_no_evidence(dense_dir, draf
     assert_scripted_drafting(done, solo[:4])
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_warm_up_takes_sampled_penalised_and_logprob_lanes_through_both_round_kinds(lanes, dense_dir, drafter_dir, monkeypatch):
+    # A backend compiles a kernel the first time it meets it (CUDA's and Metal's JIT), so
+    # the paths the default model's generation_config takes must run before a request does.
+    engine = make_engine(dense_dir, drafter_dir, lanes=lanes, timed=False)
+    monkeypatch.setattr(engine.target, "runs_behind_host", lambda: True)  # as on a GPU
+    batches = []
+    generate = engine.generate
+    engine.generate = lambda requests: batches.append(requests) or generate(requests)
+
+    engine.warm_up()
+
+    def covered(requests, draft: bool) -> bool:
+        sampled = [r for r in requests if r.draft == draft and not r.sampling.greedy]
+        return any(r.sampling.repetition_penalty != 1 and r.sampling.top_p < 1 and r.sampling.top_k and r.sampling.min_p
+                   and r.sampling.seed is not None for r in sampled) and any(r.logprobs for r in sampled)
+
+    assert covered([r for b in batches if len(b) == 1 for r in b], draft=True)  # one lane
+    assert covered([r for b in batches if len(b) == lanes for r in b], draft=True)  # every lane
+    assert covered([r for b in batches for r in b], draft=False)
+    assert any(r.sampling.greedy for b in batches for r in b if r.draft)
+    assert engine.stats()["requests_finished"] == {}
+
+
 class SynchronousRounds(RoundRunner):
     """Lands every plain round before building the next: the rounds pipelining overlaps."""
 
