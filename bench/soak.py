@@ -4,7 +4,9 @@ asyncio loop.
 
 Reports requests per second, errors (must be 0; cancels are not errors), whether every
 request got exactly one final event, what the engine still holds afterwards (must be
-nothing), resident memory before and after (growth beyond noise is a leak), and
+nothing), memory before and after: resident, and MLX's arrays alive (`mlx_active`: growth
+beyond the prefix cache's bytes is a leak) and its allocator's cache of freed buffers
+(`mlx_cache`, bounded by MLX's cache limit), and
 `mismatches` (must be 0): prompts come from a small pool that shares prefixes, and every
 greedy or seeded request that ran to its end without a stop string must continue the
 same prompt and sampling exactly as every other such request did, whatever batch,
@@ -44,6 +46,12 @@ from lanes.lane import FinishReason, Request
 from lanes.sampling import SamplingParams
 
 STOPS = ("the", ".", "\n", "ing")
+
+
+def memory_mib() -> dict[str, float]:
+    """Resident memory, MLX's live arrays and its allocator's cache, MiB."""
+    return {"rss": round(rss_mib(), 1), "mlx_active": round(mx.get_active_memory() / 2**20, 1),
+            "mlx_cache": round(mx.get_cache_memory() / 2**20, 1)}
 
 
 def rss_mib() -> float:
@@ -176,17 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     prompts, replies = prompt_pool(random.Random(args.seed), loaded.target.vocab_size), Replies()
     # One short pass first, so caches, pools and allocators reach their working size.
     asyncio.run(soak(client, 64, args.concurrency, args.seed + 1, prompts, replies))
-    before = rss_mib()
+    before = memory_mib()
     report = asyncio.run(soak(client, args.requests, args.concurrency, args.seed, prompts, replies))
-    after = rss_mib()
     # The last final events reach the loop before the engine retires their lanes.
     deadline = time.monotonic() + 5
     while client.stats()["running"] and time.monotonic() < deadline:
         time.sleep(0.01)
     stats = client.stats()
+    after = memory_mib()
     client.shutdown(5)
     report = {**record, **report}
-    report.update(rss_mib_before=round(before, 1), rss_mib_after=round(after, 1),
+    report.update(memory_mib_before=before, memory_mib_after=after,
                   held_after={k: stats[k] for k in ("in_flight", "queue_depth", "running", "waiting", "kv_bytes_in_use")},
                   model=str(args.model), drafter=str(args.draft_model), max_streams=args.max_streams,
                   overlap=args.overlap, always_draft=args.always_draft, prefix_cache_mib=args.prefix_cache_mib,
