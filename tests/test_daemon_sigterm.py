@@ -77,6 +77,7 @@ def test_sigterm_under_load_ends_every_stream_with_done_and_exits_0(dense_dir, d
     cut = [e[-1] for e in map(events, queued) if "error" in e[-1]]
     assert len(cut) >= 6 and all("shutting down" in e["error"]["message"] for e in cut)
     text = "".join(log)
-    for fact in ("model ", "drafter ", "lanes: up to 1 per round", "context: 4096 tokens", "serving on", "draining", "stopped"):
+    for fact in ("model ", "drafter ", "lanes: up to 1 per round", "drafted rounds: one at a time", "context: 4096 tokens",
+                 "serving on", "draining", "stopped"):
         assert fact in text
     assert re.search(r"cmpl-\w+ POST /v1/completions 200 .* prompt=4 completion=40 ttft=", text)
