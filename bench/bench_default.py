@@ -66,6 +66,8 @@ def encode(tokenizer, prompt: dict) -> list[int]:
 def timed(engine: Engine, prompt: list[int], max_tokens: int, sampling: SamplingParams):
     started = time.perf_counter()
     (done,) = engine.generate([Request(prompt, max_tokens, sampling=sampling)])
+    if done.error is not None:  # a failed reply is not a slow one
+        raise RuntimeError(f"a reply ended in error: {done.error}")
     return done, time.perf_counter() - started
 
 
@@ -90,7 +92,8 @@ def run(args) -> dict:
         "dspark_fixed": engine(dspark, width),
         "dspark_priced": engine(dspark),
         "dspark_lookup_priced": engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP),
-        "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width),
+        # It proposes from the lane's tokens on the host, so its rounds take one at a time.
+        "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width, overlap=False),
     }
     if args.in_step_beside:
         engines["dspark_lookup_priced_in_step"] = engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP, overlap=False)
