@@ -92,7 +92,7 @@ def run(args) -> dict:
         "dspark_fixed": engine(dspark, width),
         "dspark_priced": engine(dspark),
         "dspark_lookup_priced": engine(dspark, prompt_lookup=DEFAULT_PROMPT_LOOKUP),
-        # It proposes from the lane's tokens on the host, so its rounds take one at a time.
+        # It proposes from the host's tokens (bench/prompt_lookup.py): its rounds take one at a time.
         "ngram_fixed": engine(PromptLookupDrafter(target.vocab_size, width - 1, max_lanes=1), width, overlap=False),
     }
     if args.in_step_beside:

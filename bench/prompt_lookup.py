@@ -2,8 +2,10 @@
 
 It proposes by finding the latest earlier occurrence of the lane's last n tokens
 (n = max_ngram down to 1) in its own prompt + output and copying what followed. It
-speaks the lane core's drafter protocol, so the engine runs it exactly like DSpark:
-same rounds, same verification, same counters. Measurement only.
+speaks the lane core's drafter protocol for rounds taken one at a time, so the engine
+runs it like DSpark there: same rounds, same verification, same counters. It proposes
+from the lane's tokens on the host, so it cannot propose from anchors only the device
+holds: an engine running it needs `EngineConfig(overlap=False)`. Measurement only.
 """
 
 from __future__ import annotations
