@@ -174,9 +174,8 @@ class Engine:
         lanes, vocab = self.config.max_streams, self.target.vocab_size
         rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
         prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
-        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=0)
-
         on_gpu = self.target.runs_behind_host()
+        sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, seed=0)
 
         def warm(i: int, draft: bool = True, sample: bool = False, logprobs: int | None = None) -> Request:
             return Request(prompt(i), rows, sampled if sample and on_gpu else SamplingParams(), draft=draft,
