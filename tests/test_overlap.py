@@ -411,3 +411,30 @@ def test_no_overlap_reaches_the_engine_from_generate_and_serve(flags, overlap, d
     serving, _ = open_serving(args, ServerConfig("tiny"), build_engine=recording)
     serving.client.shutdown(0)
     assert [config.overlap for config in configs] == [overlap, overlap]
+
+
+@pytest.mark.parametrize("steady", [True, False])
+def test_the_first_round_of_each_shape_is_not_timed_as_evidence(steady, dense_dir, drafter_dir, plain):
+    # Where shapes are steady a backend builds plans on a shape's first use: that round
+    # feeds neither the guard nor the cost table; every round counts in the counters.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=6, steady_shapes=steady)
+    runner = engine.rounds
+    reports, guarded, costed = [], [], []
+    record, guard_record, observe = runner.counters.record, runner.guard.record, runner.costs.observe
+    runner.counters.record = lambda report: (reports.append(report), record(report))
+    runner.guard.record = lambda *args: (guarded.append(args), guard_record(*args))
+    runner.costs.observe = lambda *args: (costed.append(args), observe(*args))
+    # Lanes of different lengths end one by one: rounds of 6, 5, ... lanes, plain and drafted.
+    done = engine.generate([Request(p, 12 + 6 * i) for i, p in enumerate(PROMPTS[:6])])
+    assert [d.token_ids for d in done] == [t[: 12 + 6 * i] for i, t in enumerate(plain[:6])]
+    seen, firsts = set(), []
+    for report in reports:
+        drafted = report.kind == "drafted" or report.kind == "probe" and report.decision.draft
+        shape = ("drafted" if drafted else "plain", report.overlapped, report.lanes, report.rows)
+        firsts.append(steady and shape not in seen)
+        seen.add(shape)
+    assert [report.first_of_shape for report in reports] == firsts
+    assert len({(r.lanes, r.rows) for r in reports}) >= 6 and any(r.kind != "plain" for r in reports)
+    assert len(guarded) == sum(1 for r in reports if r.decision is not None and not r.first_of_shape)
+    assert len(costed) == sum(1 for r in reports if not r.first_of_shape)
+    assert any(firsts) == steady
