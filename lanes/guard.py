@@ -32,13 +32,24 @@ Per band:
   band's time on its own.
 - Probe budget (the precise rule): what a probe costs is the time it loses against the
   winner, `seconds - tokens / winner_tps` (at least 0). A drafted probe runs only if,
-  counting it at its choice's mean round and throughput, the band's probe losses stay <=
-  `budget` x all seconds recorded in the band (probes included). The default budget is
-  2%: at long contexts, where drafting loses, the drafting-capable engine should run
-  within 3% of a plain one, and its taps and context folds take some of that. A drafted
-  round that measures nearly as fast as plain costs little to probe and is probed often,
-  so a close call is re-measured soon, while a clear loser is probed rarely. Exploration
-  rounds are not probes and are not counted in the budget; they happen once per band.
+  counting it at its choice's mean round and throughput, the band's probe charges stay <=
+  `budget` x all seconds recorded in the band (probes included). A probe's charge is
+  what it lost (`probe_charge`), scaled up for a drafted probe where drafting measured
+  below FAR_LOSER (half) of plain's throughput when it ran: at a quarter, its probes
+  lose at most half the budget. (Scaling the budget instead would shrink what the band's
+  past seconds allow whenever drafting's estimate dips, and pause its probes for as
+  long as the band is old.) The default budget is 2%: at long contexts, where drafting loses, the
+  drafting-capable engine should run within 3% of a plain one, and its taps and context
+  folds take some of that. A drafted round that measures nearly as fast as plain costs
+  little to probe and is probed often, so a close call is re-measured soon, while a
+  clear loser is probed rarely. What the probes of a far loser may lose shrinks with how
+  far it lost, since such a probe is unlikely to find it winning: spent whole, the
+  budget cost 2.0% and
+  3.3% of the time of the 2.6B shape's drafting-capable engine at 32K and 126K tokens on
+  an H100 (session 28), where a drafted probe keeps a small fraction of plain's throughput
+  (above: 17-50 ms rounds against 6 ms).
+  Exploration rounds are not probes and are not counted in the budget; they happen once
+  per band.
 - Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
   average over rounds decayed like the evidence). Without it a winner whose estimate has
   sunk to just above the loser's makes probes of the loser nearly free, so the loser
@@ -78,6 +89,16 @@ logger = logging.getLogger("laneserve.guard")
 # one round recorded 59 rounds ago at the default smoothing (0.05), more rounds further back.
 STALE_WEIGHT = 0.05
 
+# Drafting measured below this share of plain's throughput is a far loser: text would
+# have to more than double what its rounds keep for it to win, so its probes are charged
+# more than they lose (probe_charge). Above it the charge is the loss. Replayed on the
+# default's real acceptance (bench.guard_replay, drafted rounds of 4.9 ms against plain
+# ones of 1.5, where drafting pays narrowly), charging every loser by how far it lost (a
+# one-off, not kept) drafted a quarter fewer rounds and ran 1.11x and 1.12x plain (with
+# prompt lookup beside it) against 1.14x and 1.17x; with this threshold 1.16x and 1.16x
+# (bench/results/cpu-guard-replay/far-loser-*.md).
+FAR_LOSER = 0.5
+
 # The vocabulary of GuardDecision.reason.
 EXPLORE = "explore"
 DRAFTING_FASTER = "drafting faster"
@@ -105,6 +126,12 @@ def lost_seconds(seconds: float, tokens: float, winner_tps: float) -> float:
     """The time a round of `seconds` that emitted `tokens` lost against a choice that
     emits `winner_tps` tokens a second: all of it against a winner that emits nothing."""
     return max(0.0, seconds - tokens / winner_tps) if winner_tps > 0 else seconds
+
+
+def probe_charge(lost: float, drafted_tps: float, plain_tps: float, drafted: bool = True) -> float:
+    """What a probe that lost `lost` seconds is charged against the budget: its loss, a
+    drafted probe's scaled by FAR_LOSER x plain_tps / drafted_tps where that exceeds 1."""
+    return lost * max(1.0, FAR_LOSER * plain_tps / drafted_tps) if drafted else lost
 
 
 @dataclass
@@ -150,7 +177,8 @@ class _BandEvidence:
     plain: _Throughput = field(default_factory=_Throughput)
     seconds: float = 0.0
     probe_seconds: float = 0.0
-    probe_loss_seconds: float = 0.0  # what probes lost against the winner (the budget's measure)
+    probe_loss_seconds: float = 0.0  # what probes lost against the winner
+    probe_charge_seconds: float = 0.0  # the budget's measure: probe losses, drafted ones scaled (module doc)
     probe_rounds: int = 0
     probe_share: float = 0.0  # decayed share of recent rounds that were probes
 
@@ -163,8 +191,8 @@ class DraftGuard:
 
     def __init__(self, budget: float = 0.02, smoothing: float = 0.05, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
-        """`budget`: the share of a band's seconds that probes of drafting may lose; `smoothing`: the
-        per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
+        """`budget`: the share of a band's seconds that probes of drafting may be charged;
+        `smoothing`: the per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
         new band runs; `outlier_factor`: the most a round counts, in its choice's mean
         round times; `warm_rounds`: the rounds of each choice a band runs uncounted first;
         `max_probe_share`: the most of a band's recent rounds that may be probes."""
@@ -192,7 +220,8 @@ class DraftGuard:
 
     @property
     def budget(self) -> float:
-        """The share of a band's seconds that probes of drafting may lose."""
+        """The share of a band's seconds that probes of drafting may be charged (their
+        losses, scaled up where drafting loses by far; see the module doc)."""
         return self._budget
 
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
@@ -252,7 +281,9 @@ class DraftGuard:
         if decision.probe:
             winner_tps = decision.plain_tps if decision.draft else decision.drafted_tps
             evidence.probe_seconds += round_seconds
-            evidence.probe_loss_seconds += lost_seconds(round_seconds, emitted_tokens, winner_tps)
+            lost = lost_seconds(round_seconds, emitted_tokens, winner_tps)
+            evidence.probe_loss_seconds += lost
+            evidence.probe_charge_seconds += probe_charge(lost, decision.drafted_tps, decision.plain_tps, decision.draft)
             evidence.probe_rounds += 1
 
     def snapshot(self) -> dict[str, dict[str, object]]:
@@ -288,8 +319,8 @@ class DraftGuard:
             return False
         if not drafting:
             return loser.weight < STALE_WEIGHT
-        expected_loss = loser.mean_loss_seconds(winner_tps)
-        return evidence.probe_loss_seconds + expected_loss <= self._budget * (evidence.seconds + loser.mean_round_seconds)
+        expected_charge = probe_charge(loser.mean_loss_seconds(winner_tps), loser.tokens_per_second, winner_tps)
+        return evidence.probe_charge_seconds + expected_charge <= self._budget * (evidence.seconds + loser.mean_round_seconds)
 
 
 def _format_tps(tps: float | None) -> str:
