@@ -3,7 +3,7 @@
     python -m bench.bench_engine --model DIR --drafter DIR --out bench/results/NAME
         [--streams 1,4,8,16] [--prompt-tokens 256] [--gen-tokens 128] [--alternations 3]
         [--long-contexts 4096,16384,65536] [--long-gen-tokens 64] [--long-alternations 1]
-        [--long-prompt-cache] [--in-step-beside] [--log FILE]
+        [--long-prompt-cache] [--long-turn-tokens N] [--in-step-beside] [--log FILE]
 
 Random-weight checkpoints have real costs but no real acceptance, so the drafter is
 wrapped in the scripted-acceptance drafter (bench/scripted.py, measurement only): it
@@ -41,6 +41,13 @@ off (`EngineConfig.overlap`; where the device runs behind the host, drafted roun
 overlap by default), each drafted round read before the next is built. Its rows give its
 ratio to plain and the overlapped engine's gain over it, each the median over
 alternations of runs next to each other.
+
+`--long-turn-tokens N` compares the long-context engines in time rather than in runs:
+both read the prompts, then decode them at once, in turns of N tokens a lane (each turn
+ended with the device idle, the order swapped every pair), so drift slower than a turn
+(about a second at N = 128) falls on both alike. The ratio is of tokens per second over
+all turns of `--long-alternations` passes; each pair of turns gives one for the spread.
+The target and drafter then hold lane slots for both engines.
 
 Each long-context row also gives drafting's cost in the guarded engine's own time:
 what its drafted rounds (the guard's probes among them) took beyond its own plain
@@ -172,11 +179,73 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
     }
 
 
+def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_tokens: int, passes: int) -> dict:
+    """Plain and drafted engines decode the same prompts at once, taking turns of
+    `turn_tokens` tokens a lane (the order swapped every pair), each turn ending with the
+    device idle so that no engine's work runs in the other's time, over `passes` passes.
+    The ratio is of their tokens per second over all turns; each pair of turns, about a
+    second apart, gives a ratio too."""
+    engines = {"plain": plain, "drafted": drafted_engine}
+    turns = {name: [] for name in engines}  # (tokens, seconds) per turn
+    pairs = []  # drafted over plain tok/s of each pair of turns in a pass
+    counted = drafted_engine.rounds.counters.snapshot()
+    outputs, exact = None, True
+    for _ in range(passes):
+        emitted = dict.fromkeys(engines, 0)
+        done = {name: {} for name in engines}
+
+        def counter(name):
+            def count(event):
+                emitted[name] += len(event.token_ids)
+                if event.completion is not None:
+                    done[name][event.request_id] = event.completion
+            return count
+
+        requests = {name: [Request(p, gen, on_event=counter(name)) for p in prompts] for name in engines}
+        for name, engine in engines.items():
+            read_prompts(engine, requests[name])
+        busy, order = dict.fromkeys(engines, True), list(engines)
+        taken = {name: len(turns[name]) for name in engines}
+        while any(busy.values()):
+            for name in order:
+                if not busy[name]:
+                    continue
+                before, started = emitted[name], time.perf_counter()
+                while emitted[name] - before < turn_tokens * len(prompts):
+                    if not engines[name].step():
+                        busy[name] = False
+                        break
+                mx.synchronize()
+                turns[name].append((emitted[name] - before, time.perf_counter() - started))
+            order.reverse()
+        pairs += [(d / ds) / (p / ps) for (p, ps), (d, ds) in zip(turns["plain"][taken["plain"]:], turns["drafted"][taken["drafted"]:])
+                  if p and d]
+        tokens = {name: [done[name][r.id].token_ids for r in requests[name]] for name in engines}
+        outputs = outputs or tokens["plain"]
+        exact = exact and tokens["plain"] == outputs and tokens["drafted"] == outputs
+    after = drafted_engine.rounds.counters.snapshot()
+    rate = lambda name: sum(t for t, _ in turns[name]) / sum(s for _, s in turns[name])
+    drafted_rounds = after["rounds_by_mode"].get("drafted", 0) - counted["rounds_by_mode"].get("drafted", 0)
+    rounds = sum(after["rounds_by_mode"].values()) - sum(counted["rounds_by_mode"].values())
+    return {
+        "plain_tok_s": rate("plain"),
+        "drafted_tok_s": rate("drafted"),
+        "ratio": rate("drafted") / rate("plain"),
+        "ratios": pairs,
+        "exact": exact,
+        "drafted_round_share": drafted_rounds / max(rounds, 1),
+        "mean_accepted_per_drafted_round": 0.0,
+        "turns": turns,
+        "drafting_cost": drafting_cost(counted, after),
+    }
+
+
 def run(args) -> dict:
     result = {**provenance(), "model": args.model, "drafter": args.drafter, "dtype": args.dtype or "as stored",
               "decisive": args.decisive, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
               "alternations": args.alternations, "long_gen_tokens": args.long_gen_tokens,
               "long_alternations": args.long_alternations, "long_prompt_cache": args.long_prompt_cache,
+              "long_turn_tokens": args.long_turn_tokens,
               "in_step_beside": args.in_step_beside,
               "streams": {}, "long_context": {}}
     rng = np.random.default_rng(0)
@@ -197,15 +266,19 @@ def run(args) -> dict:
 
     if args.long_contexts:
         # Its own target with few lane slots: the KV pools hold every slot at the longest context.
-        long = Setup(args, args.long_streams, prompt_cache=args.long_prompt_cache)
+        long = Setup(args, args.long_streams, prompt_cache=args.long_prompt_cache,
+                     slots=2 * args.long_streams if args.long_turn_tokens else None)
         prompts = {c: long.prompts(rng, args.long_streams, c) for c in args.long_contexts}
         recorded = {c: decode_run(long.plain, ps, args.long_gen_tokens)["tokens"] for c, ps in prompts.items()}
         falling = long.scripted(falling_with_context_profile(), [p + t for c in args.long_contexts for p, t in zip(prompts[c], recorded[c])])
         for c in args.long_contexts:
-            r = compare(long.plain, falling, prompts[c], args.long_gen_tokens, args.long_alternations)
+            if args.long_turn_tokens:
+                r = in_turns(long.plain, falling, prompts[c], args.long_gen_tokens, args.long_turn_tokens, args.long_alternations)
+            else:
+                r = compare(long.plain, falling, prompts[c], args.long_gen_tokens, args.long_alternations)
             result["long_context"][c] = r
             print(f"context {c}: plain {r['plain_tok_s']:.1f} tok/s, guarded drafting {r['drafted_tok_s']:.1f} tok/s, "
-                  f"ratio {r['ratio']:.2f}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
+                  f"ratio {r['ratio']:.3f}, exact {r['exact']}, drafted rounds {r['drafted_round_share']:.0%}", flush=True)
     return result
 
 
@@ -226,16 +299,18 @@ def make_decisive(model, scale: float) -> None:
 
 
 class Setup:
-    """A target with `lanes` slots, its real drafter, and a plain engine over them."""
+    """A target, its real drafter, and a plain engine over them, each engine of `lanes` lanes."""
 
-    def __init__(self, args, lanes: int, prompt_cache: bool = False):
+    def __init__(self, args, lanes: int, prompt_cache: bool = False, slots: int | None = None):
         """`prompt_cache`: each engine keeps the prompts it read (a prefix cache of a
-        quarter of the memory left), so a prompt run again is restored, not read."""
+        quarter of the memory left), so a prompt run again is restored, not read.
+        `slots`: the lanes the target and drafter hold (default `lanes`): more, for
+        engines whose lanes decode at once."""
         self.lanes = lanes
-        self.loaded = open_target(args.model, dtype=args.dtype, max_lanes=lanes)
+        self.loaded = open_target(args.model, dtype=args.dtype, max_lanes=slots or lanes)
         target = self.loaded.target
         make_decisive(target.model, args.decisive)
-        self.real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=lanes)
+        self.real = load_drafter(args.drafter, target.model, target.config, dtype=args.dtype, max_lanes=slots or lanes)
         self.prompt_cache = prompt_cache
         self.plain = Engine(target, self.loaded.tokenizer, self.loaded.eos_ids, None, self.config())
         self.plain.warm_up()
@@ -274,8 +349,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
                      f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |{beside}")
     if result["long_context"]:
+        turns = result.get("long_turn_tokens")
+        how = (f"the two engines decoding at once in turns of {turns} tokens a lane, {result['long_alternations']} passes "
+               "(ratio: of tok/s over all turns, [min-max] of the pairs of turns)" if turns
+               else f"{result['long_alternations']} alternations")
         lines += ["", ("Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on, "
-                  f"{result['long_gen_tokens']} generated per run, {result['long_alternations']} alternations"
+                  f"{result['long_gen_tokens']} generated per run, {how}"
                   f"{', prompts restored from a prefix cache after their first read' if result['long_prompt_cache'] else ''}:"), "",
                   "| context | plain tok/s | guarded drafting tok/s | ratio [min-max] | drafted rounds | drafting's cost in its own time |",
                   "|---:|---:|---:|---:|---:|---:|"]
@@ -306,6 +385,8 @@ def main() -> None:
     p.add_argument("--long-streams", type=int, default=1)
     p.add_argument("--long-gen-tokens", type=int, default=64)
     p.add_argument("--long-alternations", type=int, default=1)
+    p.add_argument("--long-turn-tokens", type=int, default=0,
+                   help="long contexts: the two engines decode at once in turns of this many tokens a lane (0: whole runs alternate)")
     p.add_argument("--long-prompt-cache", action="store_true",
                    help="keep each long prompt in a prefix cache per engine: read once, restored for every later run")
     p.add_argument("--in-step-beside", action="store_true",

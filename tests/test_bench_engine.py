@@ -1,5 +1,6 @@
-"""bench_engine's long-context runs with `--long-prompt-cache`: a prompt is read once per
-engine and restored for every later run, whose decode equals the first's."""
+"""bench_engine's long-context runs: with `--long-prompt-cache` a prompt is read once per
+engine and restored for every later run, whose decode equals the first's; with
+`--long-turn-tokens` both engines decode at once, in turns, exactly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from bench.bench_engine import Setup, compare, decode_run, drafting_cost
+from bench.bench_engine import Setup, compare, decode_run, drafting_cost, in_turns
 from bench.scripted import falling_with_context_profile
 from tests.priced import EveryThirdPlain
 
@@ -27,6 +28,25 @@ def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_
         cache = engine.stats()["prefix_cache"]
         # Every run after an engine's first restores all of the prompt's whole blocks.
         assert cache["hit_tokens_total"] == (runs - 1) * (300 // cache["block_tokens"]) * cache["block_tokens"]
+
+
+def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(dense_dir, drafter_dir):
+    args = argparse.Namespace(model=str(dense_dir), drafter=str(drafter_dir), dtype=None, decisive=1 / 32)
+    setup = Setup(args, 1, prompt_cache=True, slots=2)  # a lane slot for each engine
+    prompts = setup.prompts(np.random.default_rng(2), 1, 300)
+    recorded = decode_run(setup.plain, prompts, 40)["tokens"]
+    drafted = setup.scripted(falling_with_context_profile(), [p + t for p, t in zip(prompts, recorded)])
+    drafted.rounds.guard = EveryThirdPlain()  # plain rounds beside drafted ones, overlapped ones among them
+    result = in_turns(setup.plain, drafted, prompts, 40, 8, 2)
+    assert result["exact"] and result["drafting_cost"] is not None
+    plain, drafted_turns = result["turns"]["plain"], result["turns"]["drafted"]
+    # Each pass decodes 39 tokens after the prompt's (whose read also runs the first round:
+    # a plain one lands in the first turn, a drafted one up to 10 tokens with the read), in
+    # turns of at least 8 tokens.
+    assert sum(t for t, _ in plain) == 2 * 39
+    assert 2 * (39 - 10) <= sum(t for t, _ in drafted_turns) < 2 * 39
+    assert 2 * 3 <= len(drafted_turns) <= len(plain) == 2 * 5
+    assert len(result["ratios"]) >= 2 * 3 and result["ratio"] > 0  # a pair for each turn both engines took in a pass
 
 
 def test_decoding_alone_runs_inside_the_given_context(dense_dir, drafter_dir):
