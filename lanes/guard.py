@@ -130,7 +130,8 @@ def lost_seconds(seconds: float, tokens: float, winner_tps: float) -> float:
 
 def probe_charge(lost: float, drafted_tps: float, plain_tps: float, drafted: bool = True) -> float:
     """What a probe that lost `lost` seconds is charged against the budget: its loss, a
-    drafted probe's scaled by FAR_LOSER x plain_tps / drafted_tps where that exceeds 1."""
+    drafted probe's scaled by FAR_LOSER x plain_tps / drafted_tps where that exceeds 1
+    (`drafted_tps` > 0: a recorded round emits a token for each live lane)."""
     return lost * max(1.0, FAR_LOSER * plain_tps / drafted_tps) if drafted else lost
 
 
