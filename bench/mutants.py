@@ -233,6 +233,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_guard.py",),
     ),
     Mutant(
+        "guard-far-loser-charged-its-loss",
+        "a drafted probe is charged what it lost however far drafting lags: at long contexts, where a probe keeps "
+        "a quarter of plain's throughput, probes spend the whole budget",
+        (Edit("lanes/guard.py", "    return lost * max(1.0, FAR_LOSER * plain_tps / drafted_tps) if drafted else lost\n",
+              "    return lost\n"),),
+        ("tests/test_guard.py",),
+    ),
+    Mutant(
+        "first-round-of-a-shape-timed",
+        "where shapes are kept steady, a round of a shape the backend meets for the first time is fed to the guard "
+        "and the cost table: in a batch's tail each new lane count's first rounds decide its band",
+        (Edit("lanes/round.py", "        if shape in self._shapes_run:\n", "        if True:\n"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
         "priced-by-real-rows-though-padded",
         "where rounds pad every lane to a bucketed window, windows are still priced by their real rows: "
         "a bucket is paid for and left part empty",
