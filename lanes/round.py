@@ -337,10 +337,10 @@ class RoundRunner:
         """Whether `report` is the first round of its kind, lanes and rows where shapes are
         kept steady. Such a backend builds plans and graphs on a shape's first use: in the
         tail of a batch, where lanes end one by one, each new lane count's first rounds
-        took three times a round's time or more on an H100 (session 27's round log), so the guard,
-        fed them, found drafting slower in every band the tail entered and kept it off
-        there. The warm-up runs the common shapes first; the rest are met in service.
-        Where rows follow the windows (no steady shapes) every round is timed."""
+        took three times a round's time or more on an H100 (session 27's round log), so
+        the guard, fed them, found drafting slower in every band the tail entered and kept
+        it off there. The warm-up runs the common shapes first; the rest are met in
+        service. Where rows follow the windows (no steady shapes) every round is timed."""
         if not self.steady_shapes:
             return False
         shape = (report.kind, report.overlapped, report.lanes, report.rows)
