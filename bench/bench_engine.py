@@ -234,7 +234,6 @@ def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_toke
         "ratios": pairs,
         "exact": exact,
         "drafted_round_share": drafted_rounds / max(rounds, 1),
-        "mean_accepted_per_drafted_round": 0.0,
         "turns": turns,
         "drafting_cost": drafting_cost(counted, after),
     }
