@@ -24,8 +24,9 @@
 #             and its rounds' time by phase (round_phases)            -> engine.{json,md}, engine.log.gz, engine-phases.*
 #   long      bench_engine, acceptance falling with context, 4K to
 #             126K tokens, guards on, runs of 1024 tokens (about 5 s
-#             at 126K), 10 alternations (each prompt read once per
-#             engine, then restored)                    -> engine-long.{json,md}, engine-long.log.gz
+#             at 126K), the two engines in turns of 128 tokens, 6
+#             passes (each prompt read once per engine, then
+#             restored)                                 -> engine-long.{json,md}, engine-long.log.gz
 #   upkeep    bench_upkeep, 2.6B shape at 32K context                 -> upkeep.{json,md}
 #   prefix    bench_prefix_cache, 2.6B shape: an 8-turn chat to 4K
 #             tokens, cache on and off                                -> gpu-prefix-cache-2.6b.{json,md}
@@ -129,7 +130,8 @@ engine)
 long)
   checkpoints_2_6b
   step python -m bench.bench_engine --model "$ck/2.6b" --drafter "$ck/2.6b-dspark" --out "$out" --name engine-long \
-    --streams '' --long-contexts 4096,32768,126000 --long-alternations 10 --long-gen-tokens 1024 --long-prompt-cache \
+    --streams '' --long-contexts 4096,32768,126000 --long-alternations 6 --long-gen-tokens 1024 --long-prompt-cache \
+    --long-turn-tokens 128 \
     --log "$out/engine-long.log"
   gzip -f "$out/engine-long.log"
   ;;
