@@ -36,20 +36,18 @@ Per band:
   `budget` x all seconds recorded in the band (probes included). A probe's charge is
   what it lost (`probe_charge`), scaled up for a drafted probe where drafting measured
   below FAR_LOSER (half) of plain's throughput when it ran: at a quarter, its probes
-  lose at most half the budget. (Scaling the budget instead would shrink what the band's
-  past seconds allow whenever drafting's estimate dips, and pause its probes for as
-  long as the band is old.) The default budget is 2%: at long contexts, where drafting loses, the
+  lose at most half the budget. A far loser's probe is unlikely to find it winning,
+  and spent whole the budget cost 2.0% and 3.3% of the time of the 2.6B shape's
+  drafting-capable engine at 32K and 126K tokens on an H100 (session 28), where a
+  drafted probe keeps a small fraction of plain's throughput (above: 17-50 ms rounds
+  against 6 ms). (Scaling the budget instead would shrink what the band's past seconds
+  allow whenever drafting's estimate dips, and pause its probes for as long as the band
+  is old.) The default budget is 2%: at long contexts, where drafting loses, the
   drafting-capable engine should run within 3% of a plain one, and its taps and context
   folds take some of that. A drafted round that measures nearly as fast as plain costs
   little to probe and is probed often, so a close call is re-measured soon, while a
-  clear loser is probed rarely. What the probes of a far loser may lose shrinks with how
-  far it lost, since such a probe is unlikely to find it winning: spent whole, the
-  budget cost 2.0% and
-  3.3% of the time of the 2.6B shape's drafting-capable engine at 32K and 126K tokens on
-  an H100 (session 28), where a drafted probe keeps a small fraction of plain's throughput
-  (above: 17-50 ms rounds against 6 ms).
-  Exploration rounds are not probes and are not counted in the budget; they happen once
-  per band.
+  clear loser is probed rarely. Exploration rounds are not probes and are not counted
+  in the budget; they happen once per band.
 - Probe share: probes run on at most `max_probe_share` of a band's recent rounds (an
   average over rounds decayed like the evidence). Without it a winner whose estimate has
   sunk to just above the loser's makes probes of the loser nearly free, so the loser
@@ -193,8 +191,8 @@ class DraftGuard:
     def __init__(self, budget: float = 0.02, smoothing: float = 0.05, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
         """`budget`: the share of a band's seconds that probes of drafting may be charged;
-        `smoothing`: the per-round decay of old evidence; `explore_rounds`: counted rounds of each choice a
-        new band runs; `outlier_factor`: the most a round counts, in its choice's mean
+        `smoothing`: the per-round decay of old evidence; `explore_rounds`: counted rounds
+        of each choice a new band runs; `outlier_factor`: the most a round counts, in its choice's mean
         round times; `warm_rounds`: the rounds of each choice a band runs uncounted first;
         `max_probe_share`: the most of a band's recent rounds that may be probes."""
         if not 0.0 < budget < 1.0:
