@@ -192,9 +192,10 @@ class DraftGuard:
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
         """`budget`: the share of a band's seconds that probes of drafting may be charged;
         `smoothing`: the per-round decay of old evidence; `explore_rounds`: counted rounds
-        of each choice a new band runs; `outlier_factor`: the most a round counts, in its choice's mean
-        round times; `warm_rounds`: the rounds of each choice a band runs uncounted first;
-        `max_probe_share`: the most of a band's recent rounds that may be probes."""
+        of each choice a new band runs; `outlier_factor`: the most a round counts, in its
+        choice's mean round times; `warm_rounds`: the rounds of each choice a band runs
+        uncounted first; `max_probe_share`: the most of a band's recent rounds that may be
+        probes."""
         if not 0.0 < budget < 1.0:
             raise ValueError(f"budget must be in (0, 1), got {budget}")
         if not 0.0 < max_probe_share <= 1.0:
