@@ -218,8 +218,12 @@ class ScriptedDrafter:
     def _device_proposal(self, lanes, at, g: int, real) -> ScriptedProposal:
         """The scripted blocks of lanes whose anchors sit at the device's lengths `at`
         (the anchor is token n = length + 1 of the lane's sequence), gathered from the
-        device's table: each lane stays on the sequence its host proposals matched."""
+        device's table: each lane stays on the sequence it matched, on the host's proposals
+        or here by its committed tokens (a lane that joined a round in flight has had no
+        host proposal), matched again where those leave it."""
         truths, survived = self._device_blocks(g)
+        for lane in lanes:
+            self._follow(lane.slot)
         known = [lane.slot in self._match for lane in lanes]
         bases = [self._bases[self._match[lane.slot]] if k else 0 for lane, k in zip(lanes, known)]
         ends = [len(self._sequences[self._match[lane.slot]]) if k else 0 for lane, k in zip(lanes, known)]
@@ -267,6 +271,19 @@ class ScriptedDrafter:
             self._match[slot] = index
         found = self._sequences[index][n : n + g]
         return found + [0] * (g - len(found))
+
+    def _follow(self, slot: int) -> None:
+        """Keep the slot on a recorded sequence its committed tokens begin (the first such,
+        until a later token tells them apart; none: it scripts nothing)."""
+        history, index = self._history[slot], self._match.get(slot)
+        n = len(history)
+        if index is not None and len(self._sequences[index]) > n and self._sequences[index][n - 1 : n] == history[-1:]:
+            return
+        index = next((i for i, seq in enumerate(self._sequences) if len(seq) > n and seq[:n] == history), None)
+        if index is None:
+            self._match.pop(slot, None)
+        else:
+            self._match[slot] = index
 
     @staticmethod
     def _continues(sequence: list[int], history: list[int], anchor: int) -> bool:

@@ -18,7 +18,9 @@ Where the device runs behind the host (a GPU), drafted rounds overlap as plain r
 do (`overlap`): the next round is built and launched from the anchors and lengths of
 the round before as the device holds them (its choices, seeded draws and penalties
 too, and its acceptance made on the device), and the round before is read while the
-next one runs. Live prices read each round's drafts on the host first, so their rounds
+next one runs. Lanes that end leave their rows in it behind, and lanes that join (their
+prompts read) start from the host's state beside the others: as lanes come and go, the
+rounds go on overlapping. Live prices read each round's drafts on the host first, so their rounds
 take one at a time; so does a round where a lane's tokens, as last read, hold a prompt
 lookup worth more than the drafter's proposal (found exactly at the anchor then).
 """
@@ -496,7 +498,8 @@ class RoundRunner:
     # round before is read while this one runs: its tokens (and logprobs) are emitted,
     # its lengths counted on the host. Lanes that do not draft (no drafter slot) ride
     # along with no drafts. A lane that ends in round t has round t+1's rows wasted,
-    # dropped with its caches.
+    # dropped with its caches; round t+2 takes the other lanes' rows of t+1 and the host's
+    # state of lanes that joined (`_carried_state`).
 
     def _overlappable(self, lane: Lane) -> bool:
         # Room in the context for the round in flight and the next, each of up to the
@@ -517,7 +520,7 @@ class RoundRunner:
 
     def _overlapped(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
         previous = self._inflight
-        if isinstance(previous, DraftedDispatch) and previous.lanes == lanes:
+        if isinstance(previous, DraftedDispatch) and self._carries_over(lanes, previous):
             following = self._dispatch_drafted(lanes, previous)
             events = self._land_drafted(previous, following.draft_seconds)
             # The bounds tighten to what the round before kept, so they grow by what the
@@ -535,10 +538,46 @@ class RoundRunner:
         self._hold(following, decision, context)
         return events
 
+    @staticmethod
+    def _carries_over(lanes: list[Lane], previous: DraftedDispatch) -> bool:
+        """Whether a round of `lanes` can start from `previous`, in flight, as the device
+        holds it: some lane was in it, and every lane of it still decoding is in this one.
+        Lanes that ended leave their rows behind; lanes that joined since (their prompts
+        read) start from the host's state beside the others (`_carried_state`)."""
+        ids = {id(lane) for lane in lanes}
+        return any(id(lane) in ids for lane in previous.lanes) and all(lane.finished or id(lane) in ids for lane in previous.lanes)
+
+    def _carried_state(self, lanes: list[Lane], previous: DraftedDispatch) -> tuple[DeviceLengths, mx.array, mx.array | None]:
+        """The lengths, anchors (and seen tokens) `lanes` start a round from, `previous` in
+        flight: a lane that was in it takes its row as the device holds it, a lane that
+        joined since its own from the host. So lanes ending and joining, as they do in
+        service, do not stop the rounds overlapping."""
+        if previous.lanes == lanes:
+            return previous.lengths, previous.anchors, previous.seen
+        rows = {id(lane): i for i, lane in enumerate(previous.lanes)}
+        joined = [lane for lane in lanes if id(lane) not in rows]
+        lengths, anchors, seen, bounds = previous.lengths.lengths, previous.anchors, previous.seen, list(previous.lengths.bounds)
+        if joined:
+            held, joined_seen = self._host_state(joined)
+            lengths = mx.concatenate([lengths, held.lengths])
+            anchors = mx.concatenate([anchors, mx.array([lane.anchor for lane in joined], dtype=anchors.dtype)])
+            bounds += held.bounds
+            if seen is not None or joined_seen is not None:  # a lane without a penalty reads no row
+                unseen = lambda count: mx.zeros((count, self.target.vocab_size), dtype=mx.bool_)
+                seen = mx.concatenate([seen if seen is not None else unseen(len(rows)),
+                                       joined_seen if joined_seen is not None else unseen(len(joined))])
+        for k, lane in enumerate(joined):
+            rows[id(lane)] = len(previous.lanes) + k
+        order = [rows[id(lane)] for lane in lanes]
+        index = mx.array(order, dtype=mx.int32)
+        return (DeviceLengths(lengths[index], tuple(bounds[i] for i in order)), anchors[index],
+                None if seen is None else seen[index])
+
     def _dispatch_drafted(self, lanes: list[Lane], previous: DraftedDispatch | None) -> DraftedDispatch:
         """Build and launch a drafted round from the anchors, lengths (and seen tokens) of
-        the round in flight, `previous`, as the device holds them, or (None) the host's.
-        Lanes without a drafter ride along with no drafts: their anchor and padding."""
+        the round in flight, `previous`, as the device holds them (the host's for lanes
+        that joined since), or (None) the host's. Lanes without a drafter ride along with
+        no drafts: their anchor and padding."""
         started = self.clock()
         g, n = self.proposals, len(lanes)
         params = [lane.request.sampling for lane in lanes]
@@ -546,7 +585,7 @@ class RoundRunner:
             lengths, seen = self._host_state(lanes)
             anchors = mx.array([lane.anchor for lane in lanes], dtype=mx.int32)
         else:
-            lengths, anchors, seen = previous.lengths, previous.anchors, previous.seen
+            lengths, anchors, seen = self._carried_state(lanes, previous)
         keys = None
         if not all(p.greedy for p in params):  # row k of a block or a verify decides position length + 1 + k
             keys = noise_keys_on_device([lane.seed for lane in lanes], lengths.lengths[:, None] + 1 + mx.arange(g + 1))
