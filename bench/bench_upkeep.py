@@ -45,9 +45,9 @@ class NeverDraft:
 class HiddenDrafter(RoundRunner):
     """Rounds run as if no lane had a drafter slot (prefill still feeds the drafter)."""
 
-    def _dispatch(self, lanes, anchors, lag):
+    def _dispatch(self, lanes, anchors, ahead=None):
         with _hidden(lanes):
-            return super()._dispatch(lanes, anchors, lag)
+            return super()._dispatch(lanes, anchors, ahead)
 
     def _land(self, dispatch):
         with _hidden(dispatch.lanes):

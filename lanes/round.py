@@ -357,20 +357,41 @@ class RoundRunner:
     # read back: its input is the previous round's choices as a lazy array, so building
     # and launching round t+1 overlaps the device running round t. Tokens are emitted
     # one round later; a lane that ends in round t has one wasted row in round t+1,
-    # which is dropped with its caches.
+    # which is dropped with its caches. A lane that joins (its prompt read) feeds its
+    # anchor from the host beside the others' lazy choices.
 
     def _plain(self, lanes: list[Lane], decision: GuardDecision | None, context: int) -> list:
         previous = self._inflight
-        if isinstance(previous, PlainDispatch) and previous.lanes == lanes and all(self._pipelinable(lane) for lane in lanes):
-            following = self._dispatch(lanes, previous.tokens, lag=1)
+        if (isinstance(previous, PlainDispatch) and self._carries_over(lanes, previous)
+                and all(self._pipelinable(lane) for lane in previous.lanes if not lane.finished)):
+            fed, ahead, rows = self._carried_tokens(lanes, previous)
+            following = self._dispatch(lanes, fed, ahead)
             events, landed = self._land(previous)
-            following.anchors = landed
+            following.anchors = [landed[rows[id(lane)]] if rows[id(lane)] < len(landed) else lane.anchor for lane in lanes]
         else:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
-            following = self._dispatch(live, [lane.anchor for lane in live], lag=0) if live else None
+            following = self._dispatch(live, [lane.anchor for lane in live]) if live else None
         self._hold(following, decision, context)
         return events
+
+    @staticmethod
+    def _carried_tokens(lanes: list[Lane], previous: PlainDispatch) -> tuple[mx.array, list[int], dict[int, int]]:
+        """What `lanes` feed a round launched before `previous` lands: each lane's choice
+        in it (lazy, one token ahead of what the host has read) or, for a lane that joined
+        since, its anchor from the host; how far ahead each is; and each lane's row (by
+        id) among previous's lanes, then the joined ones."""
+        rows = {id(lane): i for i, lane in enumerate(previous.lanes)}
+        if previous.lanes == lanes:
+            return previous.tokens, [1] * len(lanes), rows
+        joined = [lane for lane in lanes if id(lane) not in rows]
+        tokens = previous.tokens
+        if joined:
+            tokens = mx.concatenate([tokens, mx.array([lane.anchor for lane in joined], dtype=tokens.dtype)])
+        for k, lane in enumerate(joined):
+            rows[id(lane)] = len(previous.lanes) + k
+        order = [rows[id(lane)] for lane in lanes]
+        return tokens[mx.array(order, dtype=mx.int32)], [int(i < len(previous.lanes)) for i in order], rows
 
     def _hold(self, following: PlainDispatch | DraftedDispatch | None, decision: GuardDecision | None, context: int) -> None:
         """Keep the round just launched in flight, with what decided it, unless every lane
@@ -391,11 +412,13 @@ class RoundRunner:
         # One row ahead must stay within the lane's limits.
         return lane.remaining > 1
 
-    def _choose(self, logits: mx.array, lanes: list[Lane], ahead: int = 0, previous: mx.array | None = None) -> mx.array:
+    def _choose(self, logits: mx.array, lanes: list[Lane], ahead: list[int] | None = None,
+                previous: mx.array | None = None) -> mx.array:
         """Each lane's next token from its row of `logits` (lazy): the token at position
-        `lane.position + 1 + ahead`. `previous`: the round before's choices, still on the
-        device and not yet in the lanes' histories (a pipelined round), which a
-        repetition penalty must count as seen."""
+        `lane.position + 1 + ahead[i]` (ahead 0 by default). `previous`: the tokens the
+        round fed, the round before's choices still on the device and not yet in the
+        lanes' histories (a pipelined round), which a repetition penalty must count as
+        seen."""
         params = [lane.request.sampling for lane in lanes]
         penalties = [p.repetition_penalty for p in params]
         if any(p != 1.0 for p in penalties):
@@ -403,24 +426,27 @@ class RoundRunner:
             if previous is not None:
                 seen = mark(seen, mx.arange(len(lanes)), previous)
             logits = penalize(logits, seen, penalties)
-        keys = [row_keys(lane.seed, p, lane.position + 1 + ahead, 1)[0] for lane, p in zip(lanes, params)]
+        ahead = ahead or [0] * len(lanes)
+        keys = [row_keys(lane.seed, p, lane.position + 1 + a, 1)[0] for lane, p, a in zip(lanes, params, ahead)]
         return choose(logits, params, keys)
 
-    def _dispatch(self, lanes: list[Lane], anchors, lag: int) -> PlainDispatch:
-        """Build and launch a plain round; `anchors` are host ids, or (lag 1) the lazy
-        choices of the round before, whose tokens the host has not read yet."""
+    def _dispatch(self, lanes: list[Lane], anchors, ahead: list[int] | None = None) -> PlainDispatch:
+        """Build and launch a plain round; `anchors` are host ids, or a lazy array of the
+        tokens the lanes feed, lane i's `ahead[i]` tokens ahead of what the host has read
+        (1: the round before's choice; 0: a joined lane's anchor)."""
         started = self.clock()
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
-        fed = anchors if lag else [[a] for a in anchors]
+        lazy = isinstance(anchors, mx.array)
+        fed = anchors if lazy else [[a] for a in anchors]
         out = self.target.forward([lane.target_slot for lane in lanes], fed, taps=self.taps(want_taps),
                                   key_bucket=self.plain_key_bucket(len(lanes)))
-        tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)
+        tokens = self._choose(out.logits, lanes, ahead=ahead, previous=anchors if lazy else None)
         logprobs = logprob_arrays(out.logits, tokens, [lane.request.logprobs for lane in lanes])
         self.target.commit(out, [1] * len(lanes))
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
         # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
         mx.async_eval(tokens, *logprobs, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
-        return PlainDispatch(lanes, out, tokens, None if lag else list(anchors), started, pipelined=bool(lag), logprobs=logprobs)
+        return PlainDispatch(lanes, out, tokens, None if lazy else list(anchors), started, pipelined=lazy, logprobs=logprobs)
 
     def _settle_inflight(self) -> None:
         """Wait for the plain round in flight to run, and note when it had: work evaluated
@@ -539,7 +565,7 @@ class RoundRunner:
         return events
 
     @staticmethod
-    def _carries_over(lanes: list[Lane], previous: DraftedDispatch) -> bool:
+    def _carries_over(lanes: list[Lane], previous: PlainDispatch | DraftedDispatch) -> bool:
         """Whether a round of `lanes` can start from `previous`, in flight, as the device
         holds it: some lane was in it, and every lane of it still decoding is in this one.
         Lanes that ended leave their rows behind; lanes that joined since (their prompts
