@@ -233,6 +233,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_guard.py",),
     ),
     Mutant(
+        "carried-lanes-take-the-first-rows",
+        "an overlapped drafted round after lanes ended takes the first rows of the round in flight as the remaining "
+        "lanes' anchors, not each lane's own row",
+        (Edit("lanes/round.py", "        return (DeviceLengths(lengths[index], tuple(bounds[i] for i in order)), anchors[index],\n",
+              "        return (DeviceLengths(lengths[index], tuple(bounds[i] for i in order)), anchors[: len(lanes)],\n"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
+        "joined-lane-keyed-one-ahead",
+        "a lane that joins a pipelined plain round draws its noise one position ahead, as if its anchor were a choice "
+        "the host had not read",
+        (Edit("lanes/round.py", "[int(i < len(previous.lanes)) for i in order], rows\n", "[1 for i in order], rows\n"),),
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
         "guard-far-loser-charged-its-loss",
         "a drafted probe is charged what it lost however far drafting lags: at long contexts, where a probe keeps "
         "a quarter of plain's throughput, probes spend the whole budget",
