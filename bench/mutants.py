@@ -162,8 +162,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "a pipelined plain round does not count the token the round before chose (still on the device) as seen "
         "by the repetition penalty",
         (Edit("lanes/round.py",
-              "tokens = self._choose(out.logits, lanes, ahead=lag, previous=anchors if lag else None)",
-              "tokens = self._choose(out.logits, lanes, ahead=lag, previous=None)"),),
+              "tokens = self._choose(out.logits, lanes, ahead=ahead, previous=anchors if lazy else None)",
+              "tokens = self._choose(out.logits, lanes, ahead=ahead, previous=None)"),),
         ("tests/test_drafting_exact.py", "tests/test_engine.py"),
     ),
     Mutant(
