@@ -244,7 +244,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "joined-lane-keyed-one-ahead",
         "a lane that joins a pipelined plain round draws its noise one position ahead, as if its anchor were a choice "
         "the host had not read",
-        (Edit("lanes/round.py", "[int(i < len(previous.lanes)) for i in order], rows\n", "[1 for i in order], rows\n"),),
+        (Edit("lanes/round.py", "[int(i < len(previous.lanes)) for i in order], order\n", "[1 for i in order], order\n"),),
         ("tests/test_engine.py",),
     ),
     Mutant(

@@ -20,9 +20,10 @@ the round before as the device holds them (its choices, seeded draws and penalti
 too, and its acceptance made on the device), and the round before is read while the
 next one runs. Lanes that end leave their rows in it behind, and lanes that join (their
 prompts read) start from the host's state beside the others: as lanes come and go, the
-rounds go on overlapping. Live prices read each round's drafts on the host first, so their rounds
-take one at a time; so does a round where a lane's tokens, as last read, hold a prompt
-lookup worth more than the drafter's proposal (found exactly at the anchor then).
+rounds go on overlapping. Live prices read each round's drafts on the host first, so
+their rounds take one at a time; so does a round where a lane's tokens, as last read,
+hold a prompt lookup worth more than the drafter's proposal (found exactly at the
+anchor then).
 """
 
 from __future__ import annotations
@@ -364,10 +365,10 @@ class RoundRunner:
         previous = self._inflight
         if (isinstance(previous, PlainDispatch) and self._carries_over(lanes, previous)
                 and all(self._pipelinable(lane) for lane in previous.lanes if not lane.finished)):
-            fed, ahead, rows = self._carried_tokens(lanes, previous)
+            fed, ahead, order = self._carried_tokens(lanes, previous)
             following = self._dispatch(lanes, fed, ahead)
             events, landed = self._land(previous)
-            following.anchors = [landed[rows[id(lane)]] if rows[id(lane)] < len(landed) else lane.anchor for lane in lanes]
+            following.anchors = [landed[i] if i < len(landed) else lane.anchor for lane, i in zip(lanes, order)]
         else:
             events = self._land_inflight()
             live = [lane for lane in lanes if not lane.finished]
@@ -376,22 +377,26 @@ class RoundRunner:
         return events
 
     @staticmethod
-    def _carried_tokens(lanes: list[Lane], previous: PlainDispatch) -> tuple[mx.array, list[int], dict[int, int]]:
+    def _carried_rows(lanes: list[Lane], previous: PlainDispatch | DraftedDispatch) -> tuple[list[Lane], list[int]]:
+        """The lanes that joined since `previous` was built, and each lane's row among
+        previous's lanes followed by the joined ones."""
+        rows = {id(lane): i for i, lane in enumerate(previous.lanes)}
+        joined = [lane for lane in lanes if id(lane) not in rows]
+        rows.update((id(lane), len(previous.lanes) + k) for k, lane in enumerate(joined))
+        return joined, [rows[id(lane)] for lane in lanes]
+
+    def _carried_tokens(self, lanes: list[Lane], previous: PlainDispatch) -> tuple[mx.array, list[int], list[int]]:
         """What `lanes` feed a round launched before `previous` lands: each lane's choice
         in it (lazy, one token ahead of what the host has read) or, for a lane that joined
-        since, its anchor from the host; how far ahead each is; and each lane's row (by
-        id) among previous's lanes, then the joined ones."""
-        rows = {id(lane): i for i, lane in enumerate(previous.lanes)}
+        since, its anchor from the host; how far ahead each is; each lane's row
+        (`_carried_rows`)."""
         if previous.lanes == lanes:
-            return previous.tokens, [1] * len(lanes), rows
-        joined = [lane for lane in lanes if id(lane) not in rows]
+            return previous.tokens, [1] * len(lanes), list(range(len(lanes)))
+        joined, order = self._carried_rows(lanes, previous)
         tokens = previous.tokens
         if joined:
             tokens = mx.concatenate([tokens, mx.array([lane.anchor for lane in joined], dtype=tokens.dtype)])
-        for k, lane in enumerate(joined):
-            rows[id(lane)] = len(previous.lanes) + k
-        order = [rows[id(lane)] for lane in lanes]
-        return tokens[mx.array(order, dtype=mx.int32)], [int(i < len(previous.lanes)) for i in order], rows
+        return tokens[mx.array(order, dtype=mx.int32)], [int(i < len(previous.lanes)) for i in order], order
 
     def _hold(self, following: PlainDispatch | DraftedDispatch | None, decision: GuardDecision | None, context: int) -> None:
         """Keep the round just launched in flight, with what decided it, unless every lane
@@ -580,8 +585,7 @@ class RoundRunner:
         service, do not stop the rounds overlapping."""
         if previous.lanes == lanes:
             return previous.lengths, previous.anchors, previous.seen
-        rows = {id(lane): i for i, lane in enumerate(previous.lanes)}
-        joined = [lane for lane in lanes if id(lane) not in rows]
+        joined, order = self._carried_rows(lanes, previous)
         lengths, anchors, seen, bounds = previous.lengths.lengths, previous.anchors, previous.seen, list(previous.lengths.bounds)
         if joined:
             held, joined_seen = self._host_state(joined)
@@ -590,11 +594,8 @@ class RoundRunner:
             bounds += held.bounds
             if seen is not None or joined_seen is not None:  # a lane without a penalty reads no row
                 unseen = lambda count: mx.zeros((count, self.target.vocab_size), dtype=mx.bool_)
-                seen = mx.concatenate([seen if seen is not None else unseen(len(rows)),
+                seen = mx.concatenate([seen if seen is not None else unseen(len(previous.lanes)),
                                        joined_seen if joined_seen is not None else unseen(len(joined))])
-        for k, lane in enumerate(joined):
-            rows[id(lane)] = len(previous.lanes) + k
-        order = [rows[id(lane)] for lane in lanes]
         index = mx.array(order, dtype=mx.int32)
         return (DeviceLengths(lengths[index], tuple(bounds[i] for i in order)), anchors[index],
                 None if seen is None else seen[index])
