@@ -22,6 +22,10 @@
 #
 # Env: CHECKPOINTS (/root/ck), BUDGET (560 s), MIN_SECONDS (5), ROUNDS (at most; 5),
 # MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model).
+# BESIDE=DIR: a second laneserve from the code in DIR (an earlier commit's tree,
+# `bench.export_code`; carry it to the GPU machine under .device/) serves the same
+# checkpoint on the next port but four, a third server in bench_concurrent's turns, named
+# laneserve-<its commit>: a change to the code measured beside the code before it.
 # SMOKE=1: the same on the tiny presets in float32 with short settings (a CPU check).
 set -u
 out=${1:?usage: BENCH_COMMIT=<commit> gpu_serve.sh OUT}
@@ -38,6 +42,11 @@ else
   exact_streams=16; exact_tokens=32; dtype=bfloat16
 fi
 mkdir -p "$out" "$ck"
+beside=""
+if [ -n "${BESIDE:-}" ]; then
+  beside=$(cd "$BESIDE" && pwd) || exit 1
+  beside_name="laneserve-$(cat "$beside/COMMIT" 2>/dev/null || basename "$beside")"
+fi
 began=$SECONDS
 say() { echo "[gpu_serve $((SECONDS - began)) s] $*"; }
 declare -A model_pids
@@ -81,32 +90,41 @@ start_servers() {  # model: starts both servers in the background, their pids in
   local mpid=$!
   model_pids[$1]="$lpid $mpid"
   say "$1: laneserve (pid $lpid, port $lport) and mlx_lm.server (pid $mpid, port $mport) starting"
+  if [ -n "$beside" ]; then  # run from its own tree, whose packages come first on the path
+    (cd "$beside" && PYTHONPATH="$beside${PYTHONPATH:+:$PYTHONPATH}" exec python -m bench.serve_scripted --model "$ck/$1" \
+      --draft-model "$ck/$1-dspark" --port $((lport + 4)) --max-streams 16) >"$out/$1/$beside_name.log" 2>&1 &
+    model_pids[$1]="${model_pids[$1]} $!"
+    say "$1: $beside_name (pid $!, port $((lport + 4))) starting"
+  fi
 }
 
 wait_ready() {  # model: until laneserve's /ready and mlx_lm's /health answer 200
   read -r _ _ _ lport mport <<<"$(spec "$1")"
-  python - "$lport" "$mport" "$1" <<'PY' || return 1
+  python - "$lport" "$mport" "$1" "$beside" <<'PY' || return 1
 import sys, time, urllib.request
 def up(url):
     try:
         return urllib.request.urlopen(url, timeout=2).status == 200
     except OSError:
         return False
-lport, mport, model = sys.argv[1:]
+lport, mport, model, beside = sys.argv[1:]
+ready = [f"http://127.0.0.1:{lport}/ready", f"http://127.0.0.1:{mport}/health"]
+if beside:
+    ready.append(f"http://127.0.0.1:{int(lport) + 4}/ready")
 start = time.monotonic()
-while not (up(f"http://127.0.0.1:{lport}/ready") and up(f"http://127.0.0.1:{mport}/health")):
+while not all(up(url) for url in ready):
     if time.monotonic() - start > 300:
         sys.exit(f"{model}: servers not ready after 300 s")
     time.sleep(0.5)
 PY
-  say "$1: both servers ready"
+  say "$1: servers ready"
 }
 
 bench() {  # model, seconds for bench_concurrent
   read -r _ _ _ lport mport <<<"$(spec "$1")"
   say "$1: bench_concurrent, streams $streams, at least $min_seconds s a cell, up to $rounds rounds within $2 s"
   python -m bench.bench_concurrent --url "laneserve=http://127.0.0.1:$lport" --url "mlx_lm=http://127.0.0.1:$mport" \
-    --streams "$streams" --draft both --rounds "$rounds" --min-seconds "$min_seconds" --max-tokens "$max_tokens" \
+    ${beside:+--url "$beside_name=http://127.0.0.1:$((lport + 4))"} --streams "$streams" --draft both --rounds "$rounds" --min-seconds "$min_seconds" --max-tokens "$max_tokens" \
     --time-budget "$2" --out "$out/$1" 2>&1 | tee "$out/$1/bench_concurrent.log"
 }
 
