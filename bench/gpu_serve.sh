@@ -92,9 +92,10 @@ start_servers() {  # model: starts both servers in the background, their pids in
   say "$1: laneserve (pid $lpid, port $lport) and mlx_lm.server (pid $mpid, port $mport) starting"
   if [ -n "$beside" ]; then  # run from its own tree, whose packages come first on the path
     (cd "$beside" && PYTHONPATH="$beside${PYTHONPATH:+:$PYTHONPATH}" exec python -m bench.serve_scripted --model "$ck/$1" \
-      --draft-model "$ck/$1-dspark" --port $((lport + 4)) --max-streams 16) >"$out/$1/$beside_name.log" 2>&1 &
+      --draft-model "$ck/$1-dspark" --port $((lport + 4)) --max-streams 16) >"/tmp/gpu_serve-$1-$beside_name.log" 2>&1 &
     model_pids[$1]="${model_pids[$1]} $!"
-    say "$1: $beside_name (pid $!, port $((lport + 4))) starting"
+    # Its log stays on the machine: a call brings back 8 files, which one model's fill.
+    say "$1: $beside_name (pid $!, port $((lport + 4))) starting, log /tmp/gpu_serve-$1-$beside_name.log"
   fi
 }
 
