@@ -131,7 +131,10 @@ class ScriptedDrafter:
         self._bases: list[int] = []
         for sequence in sequences:
             self.record(sequence)
-        self._device_blocks(drafter.width)  # built before any round is timed (a later width or recording extends it)
+        # Built before any round is timed (a later width or recording extends it) and
+        # evaluated here: MLX streams are thread-local, and a server builds its engine
+        # on a loader thread, not the engine thread that runs rounds.
+        mx.eval(*self._device_blocks(drafter.width))
 
     def record(self, sequence: Sequence[int]) -> None:
         """Propose from this plain run too (once however often it is recorded). Call it on

@@ -429,6 +429,35 @@ def test_scripted_proposals_from_the_device_equal_the_hosts(dense_dir, drafter_d
     assert device.tokens.tolist() == host.tokens.tolist()
 
 
+def test_the_scripted_server_built_on_a_loader_thread_serves_overlapped_rounds(dense_dir, drafter_dir, overlapped,
+                                                                               monkeypatch):
+    """As `serve` on CUDA: the engine is built on a worker thread and its rounds, warm-up
+    first, overlap on the engine thread. MLX streams are thread-local, so nothing built
+    on the first may be left for the second to evaluate."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.serve_scripted import scripted_engine
+    from daemon import cli
+    from daemon.serve import ServerConfig, open_serving
+    from families.lfm2.target import Lfm2Target
+
+    monkeypatch.setattr(Lfm2Target, "runs_behind_host", staticmethod(lambda: True))
+    monkeypatch.setattr(Lfm2Target, "plans_per_shape", staticmethod(lambda: True))
+    args = cli.parser().parse_args(["serve", "--model", str(dense_dir), "--draft-model", str(drafter_dir),
+                                    "--max-streams", "2"])
+    args.prefix_cache_bytes = 0
+    with ThreadPoolExecutor(1) as loader:
+        serving, _ = loader.submit(open_serving, args, ServerConfig("tiny"), scripted_engine("published")).result()
+    try:
+        assert serving.client.wait_ready(120), serving.client.health().error
+        plain_reply, = serving.client.generate([Request(PROMPTS[2], 24, draft=False)])
+        drafted_reply, = serving.client.generate([Request(PROMPTS[2], 24)])
+    finally:
+        serving.client.shutdown(0)
+    assert drafted_reply.token_ids == plain_reply.token_ids
+    assert overlapped, "no drafted round overlapped"
+
+
 @pytest.mark.parametrize("flags, overlap", [([], None), (["--no-overlap"], False)])
 def test_no_overlap_reaches_the_engine_from_generate_and_serve(flags, overlap, dense_dir, drafter_dir, monkeypatch):
     from daemon import cli
