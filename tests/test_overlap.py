@@ -429,17 +429,20 @@ def test_scripted_proposals_from_the_device_equal_the_hosts(dense_dir, drafter_d
     assert device.tokens.tolist() == host.tokens.tolist()
 
 
-def test_the_scripted_server_built_on_a_loader_thread_serves_overlapped_rounds(dense_dir, drafter_dir, overlapped,
-                                                                               monkeypatch):
-    """As `serve` on CUDA: the engine is built on a worker thread and its rounds, warm-up
-    first, overlap on the engine thread. MLX streams are thread-local, so nothing built
-    on the first may be left for the second to evaluate."""
+@pytest.mark.parametrize("scripted", [False, True])
+def test_a_server_built_on_a_loader_thread_serves_overlapped_rounds(scripted, dense_dir, drafter_dir, overlapped,
+                                                                    monkeypatch):
+    """As `serve` on CUDA: the engine (laneserve's, or serve_scripted's) is built on a
+    worker thread and its rounds, warm-up first, overlap on the engine thread. MLX
+    streams are thread-local, so nothing built on the first may be left for the second
+    to evaluate."""
     from concurrent.futures import ThreadPoolExecutor
 
     from bench.serve_scripted import scripted_engine
     from daemon import cli
     from daemon.serve import ServerConfig, open_serving
     from families.lfm2.target import Lfm2Target
+    from lanes.engine import Engine
 
     monkeypatch.setattr(Lfm2Target, "runs_behind_host", staticmethod(lambda: True))
     monkeypatch.setattr(Lfm2Target, "plans_per_shape", staticmethod(lambda: True))
@@ -447,7 +450,8 @@ def test_the_scripted_server_built_on_a_loader_thread_serves_overlapped_rounds(d
                                     "--max-streams", "2"])
     args.prefix_cache_bytes = 0
     with ThreadPoolExecutor(1) as loader:
-        serving, _ = loader.submit(open_serving, args, ServerConfig("tiny"), scripted_engine("published")).result()
+        serving, _ = loader.submit(open_serving, args, ServerConfig("tiny"),
+                                     scripted_engine("published") if scripted else Engine).result()
     try:
         assert serving.client.wait_ready(120), serving.client.health().error
         plain_reply, = serving.client.generate([Request(PROMPTS[2], 24, draft=False)])
