@@ -17,9 +17,9 @@ drafting, prefix-cache hit or round kind it met.
 
 Without --model it soaks the embedded default with its drafter. `--overlap on` forces
 overlapped drafted rounds (lanes/round.py) with CUDA's steady shapes where they would not
-be the default, as on the CPU, so their bookkeeping meets cancels, joins and ends; the
-CPU evaluates as it launches, so this tests their logic, not their timing. The JSON
-report (--out) carries the command, commit and machine.
+be the default, as on the CPU, so their bookkeeping meets cancels, joins and ends; this
+tests their logic, not their timing. The JSON report (--out) carries the command, commit
+and machine.
 """
 
 from __future__ import annotations

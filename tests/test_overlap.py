@@ -2,8 +2,8 @@
 of the round before as the device holds them gives exactly the tokens a plain run gives,
 and the family's device-length paths equal its host-length ones.
 
-The CPU evaluates as it launches, so nothing overlaps here in time; what is tested is
-that every value the next round needs comes from the device and is right."""
+What is tested is that every value the next round needs comes from the device and
+is right, not how the rounds overlap in time."""
 
 from __future__ import annotations
 
