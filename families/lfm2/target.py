@@ -149,8 +149,8 @@ class Lfm2Target:
     def runs_behind_host() -> bool:
         """Whether the device evaluates what the host launched while the host goes on (a
         GPU's queue), so a round built while another runs costs no wait. On the CPU
-        `async_eval` hands the graph to a thread, but that thread computes on the
-        host's own cores: overlapped drafted rounds ran slower there than rounds in step."""
+        `async_eval` hands the graph to a thread of its own, which computes on the host's
+        cores; overlapped drafted rounds ran slower there than rounds in step."""
         return mx.default_device().type == mx.DeviceType.gpu
 
     @staticmethod
