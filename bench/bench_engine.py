@@ -47,7 +47,11 @@ both read the prompts, then decode them at once, in turns of N tokens a lane (ea
 ended with the device idle, the order swapped every pair), so drift slower than a turn
 (about a second at N = 128) falls on both alike. The ratio is of tokens per second over
 all turns of `--long-alternations` passes; each pair of turns gives one for the spread.
-The target and drafter then hold lane slots for both engines.
+The target and drafter then hold lane slots for both engines. Each engine times its
+rounds on a clock that stops outside its turns (`TurnClock`), so the guard and the cost
+table see what they would without the other engine; the rows also give its plain
+rounds' upkeep: what the drafting engine's plain rounds took per token beyond the plain
+engine's, in the same turns.
 
 Each long-context row also gives drafting's cost in the guarded engine's own time:
 what its drafted rounds (the guard's probes among them) took beyond its own plain
@@ -61,6 +65,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
@@ -128,14 +133,30 @@ def drafting_cost(before: dict, after: dict) -> float | None:
     their seconds less what its plain rounds took for as many tokens. Both kinds of round
     ran in the same runs, so the machine's drift between runs cancels. None without
     plain rounds to compare with."""
-    def grown(key: str) -> dict:
-        return {mode: after[key].get(mode, 0) - before[key].get(mode, 0) for mode in ("plain", "drafted")}
-
-    seconds, tokens = grown("seconds_by_mode"), grown("emitted_by_mode")
+    seconds, tokens = ({mode: grown(before, after, key, mode) for mode in ("plain", "drafted")}
+                       for key in ("seconds_by_mode", "emitted_by_mode"))
     if not tokens["plain"]:
         return None
     lost = seconds["drafted"] - tokens["drafted"] * seconds["plain"] / tokens["plain"]
     return lost / (seconds["plain"] + seconds["drafted"])
+
+
+def grown(before: dict, after: dict, key: str, mode: str) -> float:
+    """How much a `RoundCounters` figure (`key`, by mode) grew between two snapshots."""
+    return after[key].get(mode, 0) - before[key].get(mode, 0)
+
+
+def plain_round_upkeep(plain: tuple[dict, dict], drafting: tuple[dict, dict]) -> float | None:
+    """What the drafting engine's plain rounds took per token beyond the plain engine's,
+    as a share of the plain engine's, from (before, after) snapshots over the same turns:
+    the upkeep drafting costs where it does not draft (taps, the drafter's context), in
+    situ. None where either engine ran no plain round."""
+    def per_token(counts):
+        tokens = grown(*counts, "emitted_by_mode", "plain")
+        return grown(*counts, "seconds_by_mode", "plain") / tokens if tokens else None
+
+    theirs, ours = per_token(plain), per_token(drafting)
+    return None if theirs is None or ours is None else ours / theirs - 1
 
 
 def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternations: int, in_step: Engine | None = None) -> dict:
@@ -179,16 +200,68 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
     }
 
 
+TURN_COUNTS = ("rounds_by_mode", "seconds_by_mode", "emitted_by_mode")
+
+
+class TurnClock:
+    """`time.perf_counter` with the time outside an engine's own turns cut out. A round
+    in flight as a turn ends lands in the engine's next turn; timed by the wall, it would
+    count the other engine's whole turn, and the guard would see that kind of round as
+    slow as a turn (the plain one, mostly: it pipelines)."""
+
+    def __init__(self, wall=time.perf_counter) -> None:
+        self._wall = wall
+        self._paused_at: float | None = None
+        self._skipped = 0.0
+
+    def __call__(self) -> float:
+        return (self._wall() if self._paused_at is None else self._paused_at) - self._skipped
+
+    def pause(self) -> None:
+        self._paused_at = self._wall()
+
+    def resume(self) -> None:
+        self._skipped += self._wall() - self._paused_at
+        self._paused_at = None
+
+
+@contextlib.contextmanager
+def own_turn(clock: TurnClock):
+    clock.resume()
+    try:
+        yield
+    finally:
+        clock.pause()
+
+
 def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_tokens: int, passes: int) -> dict:
     """Plain and drafted engines decode the same prompts at once, taking turns of
     `turn_tokens` tokens a lane (the order swapped every pair), each turn ending with the
     device idle so that no engine's work runs in the other's time, over `passes` passes.
-    The ratio is of their tokens per second over all turns; each pair of turns, about a
+    Each engine's rounds are timed on a `TurnClock` that stops outside its turns. The
+    ratio is of their tokens per second over all turns; each pair of turns, about a
     second apart, gives a ratio too."""
     engines = {"plain": plain, "drafted": drafted_engine}
+    clocks = {name: TurnClock() for name in engines}
+    wall_clocks = {name: engine.rounds.clock for name, engine in engines.items()}
+    for name, engine in engines.items():
+        clocks[name].pause()
+        engine.rounds.clock = clocks[name]  # its values never fall behind the wall clock's: only forward
+    try:
+        return timed_in_turns(engines, clocks, prompts, gen, turn_tokens, passes)
+    finally:
+        for name, engine in engines.items():
+            engine.rounds.clock = wall_clocks[name]
+
+
+def timed_in_turns(engines: dict[str, Engine], clocks: dict[str, TurnClock], prompts, gen: int, turn_tokens: int,
+                   passes: int) -> dict:
+    """`in_turns`, its engines' rounds timed on their `clocks`."""
     turns = {name: [] for name in engines}  # (tokens, seconds) per turn
     pairs = []  # drafted over plain tok/s of each pair of turns in a pass
-    counted = drafted_engine.rounds.counters.snapshot()
+    # What each engine's round counters grew by within its turns (its prompt reads, and
+    # the first round each runs with them, fall outside).
+    within = {name: {key: Counter() for key in TURN_COUNTS} for name in engines}
     outputs, exact = None, True
     for _ in range(passes):
         emitted = dict.fromkeys(engines, 0)
@@ -203,30 +276,35 @@ def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_toke
 
         requests = {name: [Request(p, gen, on_event=counter(name)) for p in prompts] for name in engines}
         for name, engine in engines.items():
-            read_prompts(engine, requests[name])
+            with own_turn(clocks[name]):
+                read_prompts(engine, requests[name])
         busy, order = dict.fromkeys(engines, True), list(engines)
         taken = {name: len(turns[name]) for name in engines}
         while any(busy.values()):
             for name in order:
                 if not busy[name]:
                     continue
-                before, started = emitted[name], time.perf_counter()
-                while emitted[name] - before < turn_tokens * len(prompts):
-                    if not engines[name].step():
-                        busy[name] = False
-                        break
-                mx.synchronize()
+                before, counted, started = emitted[name], engines[name].rounds.counters.snapshot(), time.perf_counter()
+                with own_turn(clocks[name]):
+                    while emitted[name] - before < turn_tokens * len(prompts):
+                        if not engines[name].step():
+                            busy[name] = False
+                            break
+                    mx.synchronize()
                 turns[name].append((emitted[name] - before, time.perf_counter() - started))
+                now = engines[name].rounds.counters.snapshot()
+                for key in TURN_COUNTS:
+                    within[name][key].update({mode: now[key][mode] - counted[key].get(mode, 0) for mode in now[key]})
             order.reverse()
         pairs += [(d / ds) / (p / ps) for (p, ps), (d, ds) in zip(turns["plain"][taken["plain"]:], turns["drafted"][taken["drafted"]:])
                   if p and d]
         tokens = {name: [done[name][r.id].token_ids for r in requests[name]] for name in engines}
         outputs = outputs or tokens["plain"]
         exact = exact and tokens["plain"] == outputs and tokens["drafted"] == outputs
-    after = drafted_engine.rounds.counters.snapshot()
+    counts = {name: (dict.fromkeys(TURN_COUNTS, {}), within[name]) for name in engines}
     rate = lambda name: sum(t for t, _ in turns[name]) / sum(s for _, s in turns[name])
-    drafted_rounds = after["rounds_by_mode"].get("drafted", 0) - counted["rounds_by_mode"].get("drafted", 0)
-    rounds = sum(after["rounds_by_mode"].values()) - sum(counted["rounds_by_mode"].values())
+    drafted_rounds = grown(*counts["drafted"], "rounds_by_mode", "drafted")
+    rounds = drafted_rounds + grown(*counts["drafted"], "rounds_by_mode", "plain")
     return {
         "plain_tok_s": rate("plain"),
         "drafted_tok_s": rate("drafted"),
@@ -235,7 +313,8 @@ def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_toke
         "exact": exact,
         "drafted_round_share": drafted_rounds / max(rounds, 1),
         "turns": turns,
-        "drafting_cost": drafting_cost(counted, after),
+        "drafting_cost": drafting_cost(*counts["drafted"]),
+        "plain_round_upkeep": plain_round_upkeep(counts["plain"], counts["drafted"]),
     }
 
 
@@ -355,17 +434,22 @@ def markdown(result: dict) -> str:
         lines += ["", ("Acceptance falling with context (0.55 accepted/proposed at 4K to 0.07 at 128K), guards on, "
                   f"{result['long_gen_tokens']} generated per run, {how}"
                   f"{', prompts restored from a prefix cache after their first read' if result['long_prompt_cache'] else ''}:"), "",
-                  "| context | plain tok/s | guarded drafting tok/s | ratio [min-max] | drafted rounds | drafting's cost in its own time |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+                  "| context | plain tok/s | guarded drafting tok/s | ratio [min-max] | drafted rounds | drafting's cost in its own time |"
+                  + (" its plain rounds' upkeep |" if turns else ""),
+                  "|---:|---:|---:|---:|---:|---:|" + ("---:|" if turns else "")]
+        share = lambda x: "-" if x is None else f"{x:+.1%}"
         for c, r in result["long_context"].items():
-            cost = "-" if r.get("drafting_cost") is None else f"{r['drafting_cost']:+.1%}"
+            within = f" {share(r['plain_round_upkeep'])} |" if turns else ""
             lines.append(f"| {c} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x "
-                         f"[{min(r['ratios']):.2f}-{max(r['ratios']):.2f}] | {r['drafted_round_share']:.0%} | {cost} |")
+                         f"[{min(r['ratios']):.2f}-{max(r['ratios']):.2f}] | {r['drafted_round_share']:.0%} | "
+                         f"{share(r.get('drafting_cost'))} |{within}")
         lines += ["", ("Drafting's cost in its own time: what the guarded engine's drafted rounds (probes included) "
                        "took beyond what its own plain rounds took per token for as many tokens, as a share of all its "
                        "round time over the alternations (negative: a gain). Both kinds of round ran in the same runs, "
                        "so it does not move with the machine's speed between runs as the ratio does; it leaves out "
-                       "the upkeep inside plain rounds (`bench_upkeep`).")]
+                       "the upkeep inside plain rounds (`bench_upkeep`)."
+                       + (" Its plain rounds' upkeep: what the drafting engine's plain rounds took per token beyond "
+                          "the plain engine's, in the same turns." if turns else ""))]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from bench.bench_engine import Setup, compare, decode_run, drafting_cost, in_turns
+from bench.bench_engine import Setup, compare, decode_run, drafting_cost, TurnClock, in_turns, plain_round_upkeep
 from bench.scripted import falling_with_context_profile
 from tests.priced import EveryThirdPlain
 
@@ -37,7 +37,9 @@ def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(dense_dir,
     recorded = decode_run(setup.plain, prompts, 40)["tokens"]
     drafted = setup.scripted(falling_with_context_profile(), [p + t for p, t in zip(prompts, recorded)])
     drafted.rounds.guard = EveryThirdPlain()  # plain rounds beside drafted ones, overlapped ones among them
+    clocks = [setup.plain.rounds.clock, drafted.rounds.clock]
     result = in_turns(setup.plain, drafted, prompts, 40, 8, 2)
+    assert [setup.plain.rounds.clock, drafted.rounds.clock] == clocks  # the turns' clocks were theirs alone
     assert result["exact"] and result["drafting_cost"] is not None
     plain, drafted_turns = result["turns"]["plain"], result["turns"]["drafted"]
     # Each pass decodes 39 tokens after the prompt's (whose read also runs the first round:
@@ -47,6 +49,7 @@ def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(dense_dir,
     assert 2 * (39 - 10) <= sum(t for t, _ in drafted_turns) < 2 * 39
     assert 2 * 3 <= len(drafted_turns) <= len(plain) == 2 * 5
     assert len(result["ratios"]) >= 2 * 3 and result["ratio"] > 0  # a pair for each turn both engines took in a pass
+    assert result["plain_round_upkeep"] is not None
 
 
 def test_decoding_alone_runs_inside_the_given_context(dense_dir, drafter_dir):
@@ -75,3 +78,29 @@ def test_drafting_cost_is_what_drafted_rounds_took_beyond_plain_rounds_for_as_ma
     gained = {"seconds_by_mode": {"plain": 2.0, "drafted": 0.5}, "emitted_by_mode": {"plain": 150, "drafted": 100}}
     assert drafting_cost(before, gained) == pytest.approx((0.5 - 1.0) / 1.5)
     assert drafting_cost(before, {"seconds_by_mode": {"plain": 1.0, "drafted": 0.5}, "emitted_by_mode": {"plain": 50, "drafted": 9}}) is None
+
+
+def test_plain_round_upkeep_compares_plain_rounds_per_token_over_the_same_turns():
+    before = {"seconds_by_mode": {"plain": 1.0}, "emitted_by_mode": {"plain": 100}}
+    # The plain engine's rounds then take 1.0 s for 100 tokens; the drafting engine's plain
+    # rounds 0.33 s for 30 tokens (11 ms a token, 10% more), its drafted ones not counted.
+    plain = (before, {"seconds_by_mode": {"plain": 2.0}, "emitted_by_mode": {"plain": 200}})
+    drafting = (before, {"seconds_by_mode": {"plain": 1.33, "drafted": 5.0}, "emitted_by_mode": {"plain": 130, "drafted": 900}})
+    assert plain_round_upkeep(plain, drafting) == pytest.approx(0.1)
+    only_drafted = (before, {"seconds_by_mode": {"plain": 1.0, "drafted": 5.0}, "emitted_by_mode": {"plain": 100, "drafted": 900}})
+    assert plain_round_upkeep(plain, only_drafted) is None
+
+
+def test_a_turn_clock_stands_still_outside_its_engines_turns():
+    """A round in flight as one engine's turn ends lands in its next turn: the other
+    engine's turn between must not count as its time."""
+    wall = iter([10.0, 11.0, 15.0, 20.0, 22.0, 23.0]).__next__
+    clock = TurnClock(wall)
+    clock.pause()  # at 10: the other engine's turn
+    started = clock()
+    clock.resume()  # at 11
+    assert clock() - started == pytest.approx(4.0)  # at 15: the second between turns left out
+    clock.pause()  # at 20
+    assert clock() == pytest.approx(19.0)  # stands still while the other engine runs
+    clock.resume()  # at 22
+    assert clock() - started == pytest.approx(10.0)  # at 23: 4 + 5 + 1 seconds of its own turns
