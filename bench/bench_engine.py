@@ -315,6 +315,9 @@ def timed_in_turns(engines: dict[str, Engine], clocks: dict[str, TurnClock], pro
         "turns": turns,
         "drafting_cost": drafting_cost(*counts["drafted"]),
         "plain_round_upkeep": plain_round_upkeep(counts["plain"], counts["drafted"]),
+        # About 1: the rounds' seconds are the turns' (a round timed across turns would count more).
+        "rounds_over_turns": {name: sum(within[name]["seconds_by_mode"].values()) / sum(s for _, s in turns[name])
+                              for name in engines},
     }
 
 

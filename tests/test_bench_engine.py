@@ -30,7 +30,11 @@ def test_long_prompts_are_read_once_per_engine_then_restored(dense_dir, drafter_
         assert cache["hit_tokens_total"] == (runs - 1) * (300 // cache["block_tokens"]) * cache["block_tokens"]
 
 
-def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(dense_dir, drafter_dir):
+@pytest.mark.parametrize("clock_stops", [True, False])
+def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(clock_stops, dense_dir, drafter_dir, monkeypatch):
+    if not clock_stops:  # as before e9bff8b: rounds in flight across turns count the other engine's turn
+        monkeypatch.setattr(TurnClock, "pause", lambda self: None)
+        monkeypatch.setattr(TurnClock, "resume", lambda self: None)
     args = argparse.Namespace(model=str(dense_dir), drafter=str(drafter_dir), dtype=None, decisive=1 / 32)
     setup = Setup(args, 1, prompt_cache=True, slots=2)  # a lane slot for each engine
     prompts = setup.prompts(np.random.default_rng(2), 1, 300)
@@ -50,6 +54,8 @@ def test_two_engines_in_turns_decode_the_same_prompts_at_once_exactly(dense_dir,
     assert 2 * 3 <= len(drafted_turns) <= len(plain) == 2 * 5
     assert len(result["ratios"]) >= 2 * 3 and result["ratio"] > 0  # a pair for each turn both engines took in a pass
     assert result["plain_round_upkeep"] is not None
+    in_rounds = result["rounds_over_turns"]["plain"]
+    assert 0.8 < in_rounds < 1.2 if clock_stops else in_rounds > 1.5, result["rounds_over_turns"]
 
 
 def test_decoding_alone_runs_inside_the_given_context(dense_dir, drafter_dir):
