@@ -263,6 +263,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_overlap.py",),
     ),
     Mutant(
+        "turns-timed-on-the-wall-clock",
+        "bench_engine's turns time each engine's rounds on the wall clock: a round in flight as a turn ends counts "
+        "the other engine's whole turn, and the guard sees plain rounds far slower than they are",
+        (Edit("bench/bench_engine.py", "    clock.resume()\n    try:\n        yield\n    finally:\n        clock.pause()\n",
+              "    yield\n"),),
+        ("tests/test_bench_engine.py",),
+    ),
+    Mutant(
         "priced-by-real-rows-though-padded",
         "where rounds pad every lane to a bucketed window, windows are still priced by their real rows: "
         "a bucket is paid for and left part empty",
