@@ -99,21 +99,29 @@ start_servers() {  # model: starts both servers in the background, their pids in
   fi
 }
 
-wait_ready() {  # model: until laneserve's /ready and mlx_lm's /health answer 200
+wait_ready() {  # model: until laneserve's /ready and mlx_lm's /health answer 200, or a server exits
   read -r _ _ _ lport mport <<<"$(spec "$1")"
-  python - "$lport" "$mport" "$1" "$beside" <<'PY' || return 1
-import sys, time, urllib.request
+  python - "$lport" "$mport" "$1" "$beside" ${model_pids[$1]} <<'PY' || return 1
+import os, sys, time, urllib.request
 def up(url):
     try:
         return urllib.request.urlopen(url, timeout=2).status == 200
     except OSError:
         return False
-lport, mport, model, beside = sys.argv[1:]
+def gone(pid):  # exited (a zombie until the shell waits for it)
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+lport, mport, model, beside, *pids = sys.argv[1:]
 ready = [f"http://127.0.0.1:{lport}/ready", f"http://127.0.0.1:{mport}/health"]
 if beside:
     ready.append(f"http://127.0.0.1:{int(lport) + 4}/ready")
 start = time.monotonic()
 while not all(up(url) for url in ready):
+    if exited := [pid for pid in pids if gone(pid)]:  # no waiting out the timeout on a dead server
+        sys.exit(f"{model}: server pid {', '.join(exited)} exited before it was ready (its log says why)")
     if time.monotonic() - start > 300:
         sys.exit(f"{model}: servers not ready after 300 s")
     time.sleep(0.5)
