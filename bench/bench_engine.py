@@ -246,7 +246,8 @@ def in_turns(plain: Engine, drafted_engine: Engine, prompts, gen: int, turn_toke
     wall_clocks = {name: engine.rounds.clock for name, engine in engines.items()}
     for name, engine in engines.items():
         clocks[name].pause()
-        engine.rounds.clock = clocks[name]  # its values never fall behind the wall clock's: only forward
+        # Fresh, it reads as the wall clock does, so no landing the runner timed lies ahead of it.
+        engine.rounds.clock = clocks[name]
     try:
         return timed_in_turns(engines, clocks, prompts, gen, turn_tokens, passes)
     finally:
