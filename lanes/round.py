@@ -337,15 +337,16 @@ class RoundRunner:
                       " first_of_shape=1" if report.first_of_shape else "")
 
     def _first_of_shape(self, report: RoundReport) -> bool:
-        """Whether `report` is the first round of its kind, lanes and rows where shapes are
-        kept steady. Such a backend builds plans and graphs on a shape's first use: in the
-        tail of a batch, where lanes end one by one, each new lane count's first rounds
-        took three times a round's time or more on an H100 (session 27's round log), so
-        the guard, fed them, found drafting slower in every band the tail entered and kept
-        it off there. The warm-up runs the common shapes first; the rest are met in
-        service. Where rows follow the windows (no steady shapes) every round is timed."""
-        if not self.steady_shapes:
-            return False
+        """Whether `report` is the first round of its kind, lanes and rows. A shape's first
+        round traces the compiled segments for it, and on CUDA builds plans and graphs
+        too: in the tail of a batch, where lanes end one by one, each new lane count's
+        first rounds took three times a round's time or more on an H100 (session 27's
+        round log), so the guard, fed them, found drafting slower in every band the tail
+        entered and kept it off there. On the CPU, where rows follow the windows, a width's
+        first round could cost more than a wider window's rounds; kept in the cost table
+        (costs never fall with rows), it priced every deeper window as dearly until that
+        width ran again, which it then seldom did. The warm-up runs the common shapes
+        first; the rest are met in service."""
         shape = (report.kind, report.overlapped, report.lanes, report.rows)
         if shape in self._shapes_run:
             return False
