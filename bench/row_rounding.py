@@ -3,17 +3,17 @@
     python -m bench.row_rounding --out DIR [--model DIR --drafter DIR] [--widths 2,9] [--name row-rounding]
 
 Drafted output equals plain output token for token where the target's logits for a row
-do not depend on how many rows its forward computes. A backend whose products take
-another path for one row than for several (OpenBLAS: a matrix-vector product for one)
-rounds them differently, and a near-tie can then resolve differently (README,
-"Exactness"). For each held-out prompt of bench/default_prompts.json (by default with
-the embedded default and its drafter's taps, as the engine asks for them), this reads
-the prompt, then computes the next position's logits for its last token alone and as
-the first row of verify windows of each of `--widths` rows (the rest of the window the
-prompt's first tokens). Per width: how many prompts' logits differ at all from the
-one-row step's, the largest absolute difference, and how many prompts' greedy choice
-differs. Writes NAME.json and NAME.md under --out, each with its command, commit and
-machine.
+do not depend on how many rows its forward computes. A backend whose kernels take
+another path for one row than for several (OpenBLAS preloaded on the CPU, a GPU) rounds
+them differently, and a near-tie can then resolve differently (README, "Exactness").
+For each held-out prompt of bench/default_prompts.json (by default with the embedded
+default and its drafter's taps, as the engine asks for them), this reads all but the
+prompt's last token once, then computes the next position's logits for that token alone
+and as the first row of verify windows of each of `--widths` rows (the rest of the
+window the prompt's first tokens), none of them committed. Per width: how many prompts'
+logits differ at all from the one-row step's, the largest absolute difference, and how
+many prompts' greedy choice differs. Writes NAME.json and NAME.md under --out, each with
+its command, commit and machine.
 """
 
 from __future__ import annotations
@@ -30,18 +30,12 @@ from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
 
 
-def first_row_logits(target, prompt: list[int], window: list[int], taps: tuple[int, ...]) -> mx.array:
-    """The logits of the window's first row, read after the prompt: `[V]`."""
-    slot = target.open_lane()
-    try:
-        read = target.forward([slot], [prompt], logits="last", taps=taps)
-        target.commit(read, [len(prompt)])
-        out = target.forward([slot], [window], logits="all", taps=taps)
-        logits = out.logits[0]
-        mx.eval(logits)
-        return logits
-    finally:
-        target.close_lane(slot)
+def first_row_logits(target, slot, window: list[int], taps: tuple[int, ...]) -> mx.array:
+    """The logits of the window's first row after what `slot` holds: `[V]`. Never
+    committed, so windows after it are read at the same positions."""
+    logits = target.forward([slot], [window], logits="all", taps=taps).logits[0]
+    mx.eval(logits)
+    return logits
 
 
 def run(args) -> dict:
@@ -52,13 +46,18 @@ def run(args) -> dict:
     widths = {w: {"differ": 0, "max_abs_diff": 0.0, "argmax_differs": 0} for w in args.widths}
     for prompt in prompts:
         context, anchor = prompt[:-1], prompt[-1]
-        alone = first_row_logits(target, context, [anchor], taps)
-        for w, found in widths.items():
-            within = first_row_logits(target, context, [anchor] + [prompt[k % len(prompt)] for k in range(w - 1)], taps)
-            difference = mx.max(mx.abs(within - alone)).item()
-            found["differ"] += difference > 0
-            found["max_abs_diff"] = max(found["max_abs_diff"], difference)
-            found["argmax_differs"] += mx.argmax(within).item() != mx.argmax(alone).item()
+        slot = target.open_lane()
+        try:
+            target.commit(target.forward([slot], [context], logits="last", taps=taps), [len(context)])
+            alone = first_row_logits(target, slot, [anchor], taps)
+            for w, found in widths.items():
+                within = first_row_logits(target, slot, [anchor] + [prompt[k % len(prompt)] for k in range(w - 1)], taps)
+                difference = mx.max(mx.abs(within - alone)).item()
+                found["differ"] += difference > 0
+                found["max_abs_diff"] = max(found["max_abs_diff"], difference)
+                found["argmax_differs"] += mx.argmax(within).item() != mx.argmax(alone).item()
+        finally:
+            target.close_lane(slot)
     return {**provenance(), "model": str(args.model), "drafter": str(args.drafter), "dtype": args.dtype or "as stored",
             "prompts": len(prompts), "taps": list(taps), "widths": widths}
 
