@@ -257,8 +257,8 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "first-round-of-a-shape-timed",
-        "where shapes are kept steady, a round of a shape the backend meets for the first time is fed to the guard "
-        "and the cost table: in a batch's tail each new lane count's first rounds decide its band",
+        "a round of a shape the backend meets for the first time (tracing, on CUDA planning, for it) is fed to the "
+        "guard and the cost table: in a batch's tail each new lane count's first rounds decide its band",
         (Edit("lanes/round.py", "        if shape in self._shapes_run:\n", "        if True:\n"),),
         ("tests/test_overlap.py",),
     ),

@@ -12,8 +12,8 @@ Per band:
   counted. A new band is new shapes (more lanes, longer key spans), and a backend's
   first round at new shapes can pay for building kernels or plans many times over what
   the round costs after; counted, it would decide the band on its own. (Within a band,
-  where the backend plans per shape, the round runner keeps from the guard the first
-  round of every lane count and row count it meets, for the same reason.)
+  the round runner keeps from the guard the first round of every lane count and row
+  count it meets, for the same reason: it traces, and on CUDA plans, for its shape.)
 - After that it runs the choice whose realised throughput is higher (drafting only while
   drafted rounds measure strictly faster) and now and then probes the other choice, so
   that a change (acceptance rising or falling) is noticed and the guard switches back.
