@@ -22,7 +22,7 @@ SUMMARY_KEYS = (
     "output_throughput", "per_stream_output_throughput", "request_throughput", "total_output_tokens",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p90_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms",
-    "spec_decode_acceptance_rate", "spec_decode_acceptance_length", "completed", "failed", "duration",
+    "spec_decode_acceptance_rate", "spec_decode_acceptance_length", "prompt_lookup_share", "completed", "failed", "duration",
 )
 
 
@@ -89,12 +89,13 @@ def markdown(result: dict) -> str:
     drafted = [e for e in result["summary"] if e["spec_decode_per_position_acceptance_rates"]]
     if drafted:
         lines += ["", ("Acceptance per draft position (share of drafts whose k-th draft was accepted; median over rounds), "
+                  "the share of drafts copied by prompt lookup (median over rounds; '-': not counted), "
                   "and rounds by kind over all rounds:"), "",
-                  "| setting | streams | per position | rounds by kind |", "| --- | ---: | --- | --- |"]
+                  "| setting | streams | per position | looked up | rounds by kind |", "| --- | ---: | --- | ---: | --- |"]
         for e in drafted:
             rates = ", ".join(f"{r:.2f}" for r in e["spec_decode_per_position_acceptance_rates"])
             kinds = ", ".join(f"{k} {int(v)}" for k, v in sorted((e["rounds_by_kind"] or {}).items()))
-            lines.append(f"| {e['setting']} | {e['streams']} | {rates} | {kinds or '-'} |")
+            lines.append(f"| {e['setting']} | {e['streams']} | {rates} | {_fmt(e['prompt_lookup_share'], 2)} | {kinds or '-'} |")
     failures = [e for e in result["summary"] if e["failures"]]
     if failures:
         lines += ["", "Failures by status: " + "; ".join(f"{e['setting']} x{e['streams']}: {e['failures']}" for e in failures)]

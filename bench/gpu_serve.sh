@@ -21,7 +21,11 @@
 # are the 8 a call of the GPU machine brings back: run MODELS=2.6b and MODELS=8b apart.
 #
 # Env: CHECKPOINTS (/root/ck), BUDGET (560 s), MIN_SECONDS (5), ROUNDS (at most; 5),
-# MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model).
+# MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model),
+# LOOKUP (0): laneserve's --prompt-lookup. Off by default: a decisive random target's
+# replies repeat themselves, so lookup's copies are accepted nearly whole and the drafted
+# figures would measure those loops, not the drafter at the published profile (session
+# 30's run with lookup on: 0.99 of first drafts kept against the profile's 0.865).
 # BESIDE=DIR: a second laneserve from the code in DIR (an earlier commit's tree,
 # `bench.export_code`; carry it to the GPU machine under .device/) serves the same
 # checkpoint on the next port but four, a third server in bench_concurrent's turns, named
@@ -33,6 +37,7 @@ out=${1:?usage: BENCH_COMMIT=<commit> gpu_serve.sh OUT}
 ck=${CHECKPOINTS:-/root/ck}
 budget=${BUDGET:-560}
 exact_reserve=${EXACT_RESERVE:-45}
+lookup=${LOOKUP:-0}
 models=${MODELS:-2.6b 8b}
 if [ "${SMOKE:-0}" = 1 ]; then
   min_seconds=${MIN_SECONDS:-1}; rounds=${ROUNDS:-2}; max_tokens=${MAX_TOKENS:-8}; streams=${STREAMS:-1,2}
@@ -84,7 +89,7 @@ start_servers() {  # model: starts both servers in the background, their pids in
   read -r _ _ _ lport mport <<<"$(spec "$1")"
   mkdir -p "$out/$1"
   python -m bench.serve_scripted --model "$ck/$1" --draft-model "$ck/$1-dspark" --port "$lport" --max-streams 16 \
-    >"$out/$1/laneserve.log" 2>&1 &
+    --prompt-lookup "$lookup" >"$out/$1/laneserve.log" 2>&1 &
   local lpid=$!
   python -m mlx_lm.server --model "$ck/$1" --port "$mport" >"$out/$1/mlx_lm.log" 2>&1 &
   local mpid=$!
@@ -92,7 +97,7 @@ start_servers() {  # model: starts both servers in the background, their pids in
   say "$1: laneserve (pid $lpid, port $lport) and mlx_lm.server (pid $mpid, port $mport) starting"
   if [ -n "$beside" ]; then  # run from its own tree, whose packages come first on the path
     (cd "$beside" && PYTHONPATH="$beside${PYTHONPATH:+:$PYTHONPATH}" exec python -m bench.serve_scripted --model "$ck/$1" \
-      --draft-model "$ck/$1-dspark" --port $((lport + 4)) --max-streams 16) >"/tmp/gpu_serve-$1-$beside_name.log" 2>&1 &
+      --draft-model "$ck/$1-dspark" --port $((lport + 4)) --max-streams 16 --prompt-lookup "$lookup") >"/tmp/gpu_serve-$1-$beside_name.log" 2>&1 &
     model_pids[$1]="${model_pids[$1]} $!"
     # Its log stays on the machine: a call brings back 8 files, which one model's fill.
     say "$1: $beside_name (pid $!, port $((lport + 4))) starting, log /tmp/gpu_serve-$1-$beside_name.log"

@@ -181,11 +181,14 @@ def _by_label(deltas: dict[Sample, float], name: str, label: str) -> dict[str, f
 def spec_decode_metrics(deltas: dict[Sample, float]) -> dict:
     """vLLM's speculative-decoding figures from counter deltas: acceptance rate in percent
     (accepted / draft tokens), acceptance length 1 + accepted / drafts, and per position
-    the share of drafts whose draft at that position was accepted. None where the server
-    has no such counters or drafted nothing."""
+    the share of drafts whose draft at that position was accepted; and laneserve's share
+    of drafts copied by prompt lookup rather than proposed by the drafter (a text that
+    repeats itself is accepted whole, whatever the drafter). None where the server has no
+    such counters or drafted nothing."""
     drafts = _total(deltas, "spec_decode_num_drafts")
     draft_tokens = _total(deltas, "spec_decode_num_draft_tokens")
     accepted = _total(deltas, "spec_decode_num_accepted_tokens")
+    looked_up = _total(deltas, "prompt_lookup_num_drafts")
     per_position = _by_label(deltas, "spec_decode_num_accepted_tokens_per_pos", "position")
     drafted = bool(drafts)
     positions = sorted(per_position, key=int)
@@ -196,6 +199,7 @@ def spec_decode_metrics(deltas: dict[Sample, float]) -> dict:
         "spec_decode_acceptance_rate": 100 * accepted / draft_tokens if drafted and draft_tokens else None,
         "spec_decode_acceptance_length": 1 + accepted / drafts if drafted and accepted is not None else None,
         "spec_decode_per_position_acceptance_rates": [per_position[p] / drafts for p in positions] if drafted else None,
+        "prompt_lookup_share": looked_up / drafts if drafted and looked_up is not None else None,
     }
 
 

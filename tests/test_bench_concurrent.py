@@ -82,7 +82,8 @@ def test_a_cell_counts_what_arrived_while_its_streams_were_full():
 # ---- /metrics ---------------------------------------------------------------------------
 
 
-def exposition(drafts, draft_tokens, accepted, per_position, rounds) -> str:
+def exposition(drafts, draft_tokens, accepted, per_position, rounds, looked_up=None) -> str:
+    """A /metrics page as laneserve's (with `looked_up`, its prompt-lookup counter) or vLLM's."""
     registry = CollectorRegistry()
 
     class Collector:
@@ -93,6 +94,8 @@ def exposition(drafts, draft_tokens, accepted, per_position, rounds) -> str:
                 return family
 
             yield counter("spec_decode_num_drafts", drafts)
+            if looked_up is not None:
+                yield counter("prompt_lookup_num_drafts", looked_up)
             yield counter("spec_decode_num_draft_tokens", draft_tokens)
             yield counter("spec_decode_num_accepted_tokens", accepted)
             per_pos = CounterMetricFamily("laneserve:spec_decode_num_accepted_tokens_per_pos", "p", labels=["model_name", "position"])
@@ -109,8 +112,8 @@ def exposition(drafts, draft_tokens, accepted, per_position, rounds) -> str:
 
 
 def test_metric_deltas_give_vllms_speculative_figures():
-    before = parse_counters(exposition(10, 90, 30, [9, 8, 7], {"plain": 100, "drafted": 10}))
-    after = parse_counters(exposition(14, 126, 48, [13, 11, 9], {"plain": 130, "drafted": 14, "probe": 2}))
+    before = parse_counters(exposition(10, 90, 30, [9, 8, 7], {"plain": 100, "drafted": 10}, looked_up=6))
+    after = parse_counters(exposition(14, 126, 48, [13, 11, 9], {"plain": 130, "drafted": 14, "probe": 2}, looked_up=7))
     deltas = counter_deltas(before, after)
     spec = spec_decode_metrics(deltas)
     assert spec["spec_decode_num_drafts"] == 4
@@ -119,14 +122,16 @@ def test_metric_deltas_give_vllms_speculative_figures():
     assert spec["spec_decode_acceptance_rate"] == pytest.approx(50.0)  # percent, as vLLM's bench
     assert spec["spec_decode_acceptance_length"] == pytest.approx(1 + 18 / 4)
     assert spec["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.75, 0.5])
+    assert spec["prompt_lookup_share"] == pytest.approx(1 / 4)  # of the cell's drafts, not the counter's total
     assert rounds_by_kind(deltas) == {"plain": 30, "drafted": 4, "probe": 2}
 
 
 def test_a_cell_without_drafts_or_counters_has_no_acceptance():
-    same = parse_counters(exposition(5, 45, 20, [5], {"plain": 7}))
+    same = parse_counters(exposition(5, 45, 20, [5], {"plain": 7}, looked_up=2))
     spec = spec_decode_metrics(counter_deltas(same, same))
     assert spec["spec_decode_num_drafts"] == 0
     assert spec["spec_decode_acceptance_rate"] is None and spec["spec_decode_per_position_acceptance_rates"] is None
+    assert spec["prompt_lookup_share"] is None  # a server without the counter (vLLM) and one that drafted nothing alike
     assert set(spec_decode_metrics({}).values()) == {None}
 
 
@@ -280,6 +285,7 @@ def test_bench_concurrent_end_to_end(scripted_server, tmp_path):
         assert drafted["spec_decode_num_drafts"] > 0 and 0 < drafted["spec_decode_acceptance_rate"] <= 100
         assert len(drafted["spec_decode_per_position_acceptance_rates"]) == 2  # --draft-width 3: two drafts a round
         assert drafted["rounds_by_kind"]["drafted"] > 0
+        assert 0 <= drafted["prompt_lookup_share"] <= 1 and plain["prompt_lookup_share"] is None
     assert len(result["summary"]) == 4
     assert "| laneserve draft on | 2 |" in (out / "bench_concurrent.md").read_text()
     assert (out / "bench_concurrent.png").read_bytes().startswith(b"\x89PNG")
