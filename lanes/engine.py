@@ -343,21 +343,19 @@ class Engine:
             chunks.append(chunk)
             budget -= len(chunk)
         try:
-            logits = self.rounds.prefill(lanes, chunks)
-            read = []
-            for i, (lane, chunk) in enumerate(zip(lanes, chunks)):
+            firsts = self.rounds.prefill(lanes, chunks)
+            for lane, chunk in zip(lanes, chunks):
                 lane.prefilled += len(chunk)
-                if lane.prefilled == len(lane.request.prompt):
-                    read.append(i)
-            firsts = self.rounds.first_tokens([lanes[i] for i in read], logits[mx.array(read)]) if read else []
         except Exception as e:  # the failure stays with these lanes; the decoding ones go on
             log.exception("prefill failed for %s", [lane.id for lane in lanes])
             for lane in lanes:
                 self._publish(lane, lane.finish(FinishReason.ERROR, f"prefill failed: {type(e).__name__}: {e}"))
             return
-        for i, (token, logprob) in zip(read, firsts):
-            lanes[i].state = LaneState.DECODING
-            self._publish(lanes[i], lanes[i].emit([token], None if logprob is None else [logprob]))
+        for lane, first in zip(lanes, firsts):
+            if first is not None:  # its prompt is read: it decodes from here
+                token, logprob = first
+                lane.state = LaneState.DECODING
+                self._publish(lane, lane.emit([token], None if logprob is None else [logprob]))
 
     def _unpublished(self, lane: Lane) -> bool:
         """Whether the event that ended `lane` has not been published yet."""

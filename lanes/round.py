@@ -260,9 +260,11 @@ class RoundRunner:
 
     # ---- prefill -----------------------------------------------------------------
 
-    def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> mx.array:
-        """Read the next chunk of each lane's prompt, all lanes in one forward; returns
-        each chunk's last-row logits `[N, V]`."""
+    def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> list[tuple[int, object] | None]:
+        """Read the next chunk of each lane's prompt, all lanes in one forward. For each
+        lane whose prompt this chunk ends, its first generated token (and its logprob
+        entry, None unless asked), chosen in the same evaluation as the chunk; None for
+        the others."""
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
         out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
         self.target.commit(out, [len(chunk) for chunk in chunks])
@@ -272,23 +274,28 @@ class RoundRunner:
                 lane.pending_tokens += chunk
                 if self.prompt_lookup:  # indexed as it is read: a long prompt's index costs no round a stall
                     self._ngrams(lane, read=lane.prefilled + len(chunk))
+        ending = [i for i, (lane, chunk) in enumerate(zip(lanes, chunks)) if lane.prefilled + len(chunk) == len(lane.request.prompt)]
+        firsts = []
+        if ending:
+            ended = [lanes[i] for i in ending]
+            last = out.logits[mx.array(ending)] if len(ending) < len(lanes) else out.logits
+            tokens = self._choose(last, ended)
+            wanted = [lane.request.logprobs for lane in ended]
+            logprobs = logprob_arrays(last, tokens, wanted)
+            firsts = [tokens, *logprobs]
         self._settle_inflight()  # the round in flight ran while this chunk's graph was built
-        mx.eval(out.logits, *([out.taps] if drafting else []), *self.target.state_arrays())
+        # One host sync per chunk: a chunk that ends no prompt leaves its head's logits unread.
+        mx.eval(*firsts, *([out.taps] if drafting else []), *self.target.state_arrays())
+        chosen = [None] * len(lanes)
+        if ending:
+            ids = tokens.tolist()
+            for i, entry in zip(ending, zip(ids, read_logprobs(logprobs, ids, wanted))):
+                chosen[i] = entry
         # A lane still reading its prompt folds as it goes (its taps would pile up); one whose
         # prompt is read folds at its first round, so its first token does not wait for it.
-        reading = [lane for lane, chunk in zip(lanes, chunks) if lane.prefilled + len(chunk) < len(lane.request.prompt)]
+        reading = [lane for i, lane in enumerate(lanes) if chosen[i] is None]
         self.fold_pending([lane for lane in reading if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
-        return out.logits
-
-    def first_tokens(self, lanes: list[Lane], logits: mx.array) -> list[tuple[int, object]]:
-        """Each lane's first generated token (and its logprob entry, None unless asked),
-        from its prompt's last-row logits."""
-        tokens = self._choose(logits, lanes)
-        wanted = [lane.request.logprobs for lane in lanes]
-        lp = logprob_arrays(logits, tokens, wanted)
-        mx.eval(tokens, *lp)
-        chosen = tokens.tolist()
-        return list(zip(chosen, read_logprobs(lp, chosen, wanted)))
+        return chosen
 
     # ---- rounds --------------------------------------------------------------------
 

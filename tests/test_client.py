@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -275,6 +276,23 @@ def test_a_faulty_prefill_ends_only_its_lanes(short_dir, plain, monkeypatch):
     assert finished["doomed"].finish_reason is FinishReason.ERROR and "bad chunk" in finished["doomed"].error
     assert finished["fine2"].token_ids == plain[0]
     assert_nothing_held(built)
+
+
+def test_each_chunk_of_a_prompt_waits_on_the_device_once_its_first_token_included(short_dir, plain, monkeypatch):
+    built = engine(short_dir, lanes=2, prefill_chunk=4)
+    syncs, per_chunk = [], []
+    real_eval, real_slice = mx.eval, built._prefill_slice
+
+    def counted(prefilling):
+        before = len(syncs)
+        real_slice(prefilling)
+        per_chunk.append(len(syncs) - before)
+
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (syncs.append(1), real_eval(*arrays))[1])
+    monkeypatch.setattr(built, "_prefill_slice", counted)
+    (done,) = built.generate([Request(PROMPTS[5], 24)])
+    assert done.token_ids == plain[5]
+    assert per_chunk == [1] * -(-len(PROMPTS[5]) // 4)  # the last chunk's first token in the same sync
 
 
 def test_shutdown_ends_every_lane_with_a_final_event_and_the_client_restarts(short_dir):
