@@ -1,9 +1,11 @@
 """The engine: admission, prefill slices and shared rounds, on one thread that owns MLX.
 
-Each iteration admits waiting requests up to `max_streams`, reads one bounded prefill
+Each iteration admits waiting requests up to `max_streams`, launches one bounded prefill
 slice (so decoding lanes keep a steady inter-token latency while a long prompt is read),
-runs one shared round over every decoding lane, publishes the tokens, and retires
-finished or cancelled lanes, freeing their caches. Other threads talk to it only through
+runs one shared round over every decoding lane, then reads the first token of each lane
+whose prompt the slice ended (the device runs the round meanwhile; the lane joins the
+next round), publishes the tokens, and retires finished or cancelled lanes, freeing
+their caches. Other threads talk to it only through
 `submit`, `cancel`, `stats` and `end_all`, and receive each request's events through its
 `on_event` (the client in `lanes/client.py` wraps all of this for asyncio callers).
 
@@ -25,7 +27,7 @@ import mlx.core as mx
 from .detokenize import IncrementalDetokenizer
 from .lane import Completion, FinishReason, Lane, LaneEvent, LaneState, Request, Timings
 from .prefix_cache import BLOCK_TOKENS, PrefixCache
-from .round import RoundRunner
+from .round import PromptRead, RoundRunner
 from .sampling import SamplingParams
 from .warmup import profile, rehearsal
 
@@ -258,13 +260,14 @@ class Engine:
             self._drop_cancelled()
             self._admit()
             prefilling = [lane for lane in self._running if lane.state is LaneState.PREFILLING]
-            if prefilling:
-                self._prefill_slice(prefilling)
+            read = self._prefill_slice(prefilling) if prefilling else None
             decoding = [lane for lane in self._running if lane.state is LaneState.DECODING and not lane.finished]
             if decoding:
                 self._round(decoding)
             else:
                 self.rounds.idle()
+            if read is not None:  # after the round is launched: the device runs it while the host waits for these
+                self._first_tokens(read)
         except Exception as e:  # a fault outside any one slice or round: end what is running, go on
             log.exception("engine iteration failed")
             self.rounds.idle()
@@ -331,9 +334,9 @@ class Engine:
                 log.exception("admitting %s failed", lane.id)
                 self._publish(lane, lane.finish(FinishReason.ERROR, f"admission failed: {type(e).__name__}: {e}"))
 
-    def _prefill_slice(self, prefilling: list[Lane]) -> None:
-        """Read at most `prefill_chunk` prompt tokens, oldest lanes first, several lanes'
-        chunks in one forward when their prompts are short."""
+    def _prefill_slice(self, prefilling: list[Lane]) -> PromptRead | None:
+        """Launch at most `prefill_chunk` prompt tokens, oldest lanes first, several lanes'
+        chunks in one forward when their prompts are short (None where it failed)."""
         lanes, chunks, budget = [], [], self.config.prefill_chunk
         for lane in prefilling:
             if budget == 0:
@@ -343,19 +346,29 @@ class Engine:
             chunks.append(chunk)
             budget -= len(chunk)
         try:
-            firsts = self.rounds.prefill(lanes, chunks)
-            for lane, chunk in zip(lanes, chunks):
-                lane.prefilled += len(chunk)
+            read = self.rounds.prefill(lanes, chunks)
         except Exception as e:  # the failure stays with these lanes; the decoding ones go on
-            log.exception("prefill failed for %s", [lane.id for lane in lanes])
-            for lane in lanes:
-                self._publish(lane, lane.finish(FinishReason.ERROR, f"prefill failed: {type(e).__name__}: {e}"))
+            self._prefill_failed(lanes, e)
+            return None
+        for lane, chunk in zip(lanes, chunks):
+            lane.prefilled += len(chunk)
+        return read
+
+    def _first_tokens(self, read: PromptRead) -> None:
+        """Emit the first token of each lane whose prompt `read` ended: it decodes from here."""
+        try:
+            firsts = self.rounds.first_tokens(read)
+        except Exception as e:
+            self._prefill_failed(read.lanes, e)
             return
-        for lane, first in zip(lanes, firsts):
-            if first is not None:  # its prompt is read: it decodes from here
-                token, logprob = first
-                lane.state = LaneState.DECODING
-                self._publish(lane, lane.emit([token], None if logprob is None else [logprob]))
+        for lane, (token, logprob) in zip(read.lanes, firsts):
+            lane.state = LaneState.DECODING
+            self._publish(lane, lane.emit([token], None if logprob is None else [logprob]))
+
+    def _prefill_failed(self, lanes: list[Lane], e: Exception) -> None:
+        log.exception("prefill failed for %s", [lane.id for lane in lanes])
+        for lane in lanes:
+            self._publish(lane, lane.finish(FinishReason.ERROR, f"prefill failed: {type(e).__name__}: {e}"))
 
     def _unpublished(self, lane: Lane) -> bool:
         """Whether the event that ended `lane` has not been published yet."""

@@ -107,6 +107,22 @@ def packed_taps(pieces: list[tuple[mx.array, int, int]]) -> mx.array:
 
 
 @dataclass
+class PromptRead:
+    """A prompt chunk launched on the device: the lanes whose prompts it ends, with their
+    first tokens (and logprobs) lazy, and its last rows' logits, which the host waits on
+    to know the chunk has run."""
+
+    lanes: list[Lane]
+    marker: mx.array
+    tokens: mx.array | None = None
+    logprobs: list[mx.array] = field(default_factory=list)
+    wanted: list[int | None] = field(default_factory=list)
+
+    def arrays(self) -> list[mx.array]:
+        return [*([self.tokens] if self.tokens is not None else []), *self.logprobs]
+
+
+@dataclass
 class PlainDispatch:
     """A plain round launched on the device whose tokens the host has not read yet."""
 
@@ -119,7 +135,7 @@ class PlainDispatch:
     logprobs: list[mx.array] = field(default_factory=list)  # lazy, for lanes that asked
     decision: GuardDecision | None = None
     context: int = 0
-    settled: float | None = None  # when the device had run it, if the host waited for that before landing it
+    behind_prompt: bool = False  # launched after a prompt's chunk that no read waits for (see RoundReport)
 
 
 @dataclass
@@ -144,7 +160,7 @@ class DraftedDispatch:
     seen: mx.array | None  # lazy [N, V]: each lane's tokens once the round is kept (where a lane has a penalty)
     decision: GuardDecision | None = None
     context: int = 0
-    settled: float | None = None  # as for PlainDispatch
+    behind_prompt: bool = False  # as for PlainDispatch
 
     @property
     def tokens(self) -> mx.array:
@@ -182,6 +198,9 @@ class RoundReport:
     decision: GuardDecision | None = None
     overlapped: bool = False  # a drafted round built from the device's state of the round before
     first_of_shape: bool = False  # the first round of its kind, lanes and rows: not timed as evidence
+    # Launched after a prompt's chunk that no read waits for: its time may hold the chunk's
+    # device time, so it is not timed as evidence either.
+    behind_prompt: bool = False
     # A drafted round's seconds by phase (DRAFTED_PHASES; "draft" is draft_seconds): where its time goes, in the log.
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -238,6 +257,9 @@ class RoundRunner:
         overlap = target.runs_behind_host() if overlap is None else overlap
         self.overlap = overlap and drafter is not None and not self.price_live
         self._lookup_due = False  # the lanes' tokens, as the last overlapped round landed, held a lookup worth taking
+        self._prompt_in_flight: PromptRead | None = None  # the last chunk launched that the host has not waited for
+        self._behind_prompt = False  # a chunk was launched since the last round was (`_launched_behind_prompt`)
+        self._prompt_seconds = 0.0  # the host's time reading prompts (building chunks, waiting for them): not rounds' time
 
     def start_learning(self) -> None:
         """Forget what drafted rounds taught: confidence calibration, counted chances, the
@@ -260,11 +282,14 @@ class RoundRunner:
 
     # ---- prefill -----------------------------------------------------------------
 
-    def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> list[tuple[int, object] | None]:
-        """Read the next chunk of each lane's prompt, all lanes in one forward. For each
-        lane whose prompt this chunk ends, its first generated token (and its logprob
-        entry, None unless asked), chosen in the same evaluation as the chunk; None for
-        the others."""
+    def prefill(self, lanes: list[Lane], chunks: list[list[int]]) -> PromptRead:
+        """Launch the next chunk of each lane's prompt, all lanes in one forward, with the
+        first token of each lane whose prompt it ends (lazy: `first_tokens` reads them).
+        Launched, not awaited, behind the round in flight: the engine launches its next
+        round before reading the first tokens, so a lane joining does not leave the
+        device idle while the host waits for its prompt and then builds that round. The
+        round launched next shares its interval with the chunk (`behind_prompt`)."""
+        began = self.clock()
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
         out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
         self.target.commit(out, [len(chunk) for chunk in chunks])
@@ -275,27 +300,38 @@ class RoundRunner:
                 if self.prompt_lookup:  # indexed as it is read: a long prompt's index costs no round a stall
                     self._ngrams(lane, read=lane.prefilled + len(chunk))
         ending = [i for i, (lane, chunk) in enumerate(zip(lanes, chunks)) if lane.prefilled + len(chunk) == len(lane.request.prompt)]
-        firsts = []
+        read = PromptRead([lanes[i] for i in ending], out.logits)
         if ending:
-            ended = [lanes[i] for i in ending]
             last = out.logits[mx.array(ending)] if len(ending) < len(lanes) else out.logits
-            tokens = self._choose(last, ended)
-            wanted = [lane.request.logprobs for lane in ended]
-            logprobs = logprob_arrays(last, tokens, wanted)
-            firsts = [tokens, *logprobs]
-        self._settle_inflight()  # the round in flight ran while this chunk's graph was built
-        # One host sync per chunk: a chunk that ends no prompt leaves its head's logits unread.
-        mx.eval(*firsts, *([out.taps] if drafting else []), *self.target.state_arrays())
-        chosen = [None] * len(lanes)
-        if ending:
-            ids = tokens.tolist()
-            for i, entry in zip(ending, zip(ids, read_logprobs(logprobs, ids, wanted))):
-                chosen[i] = entry
+            read.tokens = self._choose(last, read.lanes)
+            read.wanted = [lane.request.logprobs for lane in read.lanes]
+            read.logprobs = logprob_arrays(last, read.tokens, read.wanted)
+        # At most one chunk ahead of the host: a long prompt read while no lane decodes
+        # would otherwise be launched whole, every chunk's graph held at once.
+        if self._prompt_in_flight is not None:
+            mx.eval(self._prompt_in_flight.marker)
+        mx.async_eval(read.marker, *read.arrays(), *([out.taps] if drafting else []), *self.target.state_arrays())
+        # A chunk that ends a prompt is waited for as its first tokens are read; one that
+        # ends none runs unseen in the interval of the round launched next.
+        self._prompt_in_flight, self._behind_prompt = read, not read.lanes
         # A lane still reading its prompt folds as it goes (its taps would pile up); one whose
         # prompt is read folds at its first round, so its first token does not wait for it.
-        reading = [lane for i, lane in enumerate(lanes) if chosen[i] is None]
-        self.fold_pending([lane for lane in reading if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)
-        return chosen
+        ended = {id(lane) for lane in read.lanes}
+        self.fold_pending([lane for lane in drafting if id(lane) not in ended], limit=PENDING_TAPS_LIMIT)
+        self._prompt_seconds += self.clock() - began
+        return read
+
+    def first_tokens(self, read: PromptRead) -> list[tuple[int, object]]:
+        """The first token (and its logprob entry, None unless asked) of each lane whose
+        prompt `read` ended: waits for that chunk, not for a round launched after it."""
+        if not read.lanes:
+            return []
+        if self._prompt_in_flight is read:
+            self._prompt_in_flight = None
+        began = self.clock()
+        ids = read.tokens.tolist()
+        self._prompt_seconds += self.clock() - began
+        return list(zip(ids, read_logprobs(read.logprobs, ids, read.wanted)))
 
     # ---- rounds --------------------------------------------------------------------
 
@@ -316,7 +352,7 @@ class RoundRunner:
         lanes = [lane for lane in lanes if not lane.finished]
         drafting = [lane for lane in eligible if not lane.finished]
         if drafting:
-            drafted, report = self._drafted_round(lanes, drafting, self.clock())
+            drafted, report = self._drafted_round(lanes, drafting, self._now())
             self._account(report, decision, context)
             events += drafted
         return events
@@ -328,20 +364,21 @@ class RoundRunner:
     def _account(self, report: RoundReport, decision: GuardDecision | None, context: int) -> None:
         report.decision = decision
         report.first_of_shape = self._first_of_shape(report)
+        evidence = not (report.first_of_shape or report.behind_prompt)
         if decision is not None:
-            if not report.first_of_shape:
+            if evidence:
                 self.guard.record(decision, report.seconds, report.emitted)
             if decision.probe:
                 report.kind = "probe"
-        if not report.first_of_shape:
+        if evidence:
             self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
         self.counters.record(report)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s%s",
+            log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s%s%s",
                       report.kind, report.lanes, report.rows, report.emitted, report.seconds, report.draft_seconds,
                       report.drafting_lanes, context,
                       "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"),
-                      " first_of_shape=1" if report.first_of_shape else "")
+                      " first_of_shape=1" if report.first_of_shape else "", " behind_prompt=1" if report.behind_prompt else "")
 
     def _first_of_shape(self, report: RoundReport) -> bool:
         """Whether `report` is the first round of its kind, lanes and rows. A shape's first
@@ -415,6 +452,17 @@ class RoundRunner:
             following.decision, following.context = decision, context
         self._inflight = following
 
+    def _now(self) -> float:
+        """The clock rounds are timed on: `clock` less the host's time reading prompts, so a
+        round's interval does not count a chunk read inside it."""
+        return self.clock() - self._prompt_seconds
+
+    def _launched_behind_prompt(self) -> bool:
+        """Whether a chunk that ends no prompt was launched since the last round was: the
+        round launching now shares its interval with the chunk's device time."""
+        behind, self._behind_prompt = self._behind_prompt, False
+        return behind
+
     def plain_key_bucket(self, lanes: int) -> int:
         # One lane attends its exact span with the fused one-query kernel; several lanes
         # need a mask and plain matmuls, whose shapes should stay steady (see KEY_BUCKET).
@@ -447,7 +495,7 @@ class RoundRunner:
         """Build and launch a plain round; `anchors` are host ids, or a lazy array of the
         tokens the lanes feed, lane i's `ahead[i]` tokens ahead of what the host has read
         (1: the round before's choice; 0: a joined lane's anchor)."""
-        started = self.clock()
+        started = self._now()
         want_taps = any(lane.drafter_slot is not None for lane in lanes)
         lazy = isinstance(anchors, mx.array)
         fed = anchors if lazy else [[a] for a in anchors]
@@ -459,16 +507,8 @@ class RoundRunner:
         # Taps are evaluated with the round, not when the drafter folds them in: a lazy
         # slice would keep the round's layer outputs and graph alive for up to 64 rounds.
         mx.async_eval(tokens, *logprobs, *([out.taps] if out.taps is not None else []), *self.target.state_arrays())
-        return PlainDispatch(lanes, out, tokens, None if lazy else list(anchors), started, pipelined=lazy, logprobs=logprobs)
-
-    def _settle_inflight(self) -> None:
-        """Wait for the plain round in flight to run, and note when it had: work evaluated
-        behind it (a prompt's chunk) is not its cost. Its landing, after that work, would
-        otherwise count the chunk's seconds as the round's, and the guard and the cost
-        table would see plain rounds slowed by every prompt read beside them."""
-        if self._inflight is not None and self._inflight.settled is None:
-            mx.eval(self._inflight.tokens)
-            self._inflight.settled = self.clock()
+        return PlainDispatch(lanes, out, tokens, None if lazy else list(anchors), started, pipelined=lazy, logprobs=logprobs,
+                             behind_prompt=self._launched_behind_prompt())
 
     def _land_inflight(self) -> list:
         if self._inflight is None:
@@ -481,11 +521,9 @@ class RoundRunner:
         return events
 
     def _round_seconds(self, dispatch: PlainDispatch | DraftedDispatch, pipelined: bool) -> float:
-        """A landed round's time: overlapping rounds count the interval between landings
-        (or until it had run, where the host settled it before other work)."""
-        now = self.clock()
-        ended = now if dispatch.settled is None else dispatch.settled
-        seconds = ended - (max(self._last_landing, dispatch.started) if pipelined else dispatch.started)
+        """A landed round's time: overlapping rounds count the interval between landings."""
+        now = self._now()
+        seconds = now - (max(self._last_landing, dispatch.started) if pipelined else dispatch.started)
         self._last_landing = now
         return seconds
 
@@ -506,7 +544,7 @@ class RoundRunner:
         seconds = self._round_seconds(dispatch, dispatch.pipelined)
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)
-        self._account(RoundReport("plain", n, n, emitted, seconds), dispatch.decision, dispatch.context)
+        self._account(RoundReport("plain", n, n, emitted, seconds, behind_prompt=dispatch.behind_prompt), dispatch.decision, dispatch.context)
         return events, tokens
 
     def fold_pending(self, lanes: list[Lane], limit: int = 0, launch: bool = True) -> None:
@@ -613,7 +651,7 @@ class RoundRunner:
         the round in flight, `previous`, as the device holds them (the host's for lanes
         that joined since), or (None) the host's. Lanes without a drafter ride along with
         no drafts: their anchor and padding."""
-        started = self.clock()
+        started = self._now()
         g, n = self.proposals, len(lanes)
         params = [lane.request.sampling for lane in lanes]
         if previous is None:
@@ -632,7 +670,7 @@ class RoundRunner:
         proposed_after = [lanes[i].anchor for i in drafting] if previous is None else of_drafting(anchors)  # the host's this once
         proposal = self.drafter.propose([lanes[i].drafter_slot for i in drafting], proposed_after, g, pick, chain_logits=False,
                                         confidences=False, at=at)
-        draft_seconds = self._draft_seconds = self.clock() - started
+        draft_seconds = self._draft_seconds = self._now() - started
         priced = self._price(lanes, [lanes[i] for i in drafting],
                              [Draft(None, self._counted(0, lanes[i], g), row=r) for r, i in enumerate(drafting)], draft_seconds)
         depths = [0] * n
@@ -660,7 +698,7 @@ class RoundRunner:
         mx.async_eval(choices, accepted, following, after.lengths, *logprobs, *([seen] if seen is not None else []),
                       *proposal.arrays(), *self.target.state_arrays(), *self.drafter.state_arrays())
         return DraftedDispatch(lanes, out, proposal, drafting, width, depths, choices, accepted, following, after, started,
-                               draft_seconds, logprobs, wanted, seen)
+                               draft_seconds, logprobs, wanted, seen, behind_prompt=self._launched_behind_prompt())
 
     def _fed_on_device(self, anchors: mx.array, drafts: mx.array, drafting: list[int], width: int) -> mx.array:
         """The verify's rows `[N, width]`: each lane's anchor, then its drafts (the
@@ -728,31 +766,32 @@ class RoundRunner:
         emitted = sum(len(event.token_ids) for _, event in events)
         n = len(dispatch.lanes)
         report = RoundReport("drafted", n, n * width, emitted, seconds, len(dispatch.drafting), 0, draft_seconds if draft_seconds < seconds else 0.0,
-                             proposed_at, accepted_at, overlapped=True)
+                             proposed_at, accepted_at, overlapped=True, behind_prompt=dispatch.behind_prompt)
         self._account(report, dispatch.decision, dispatch.context)
         return events
 
     def _drafted_round(self, lanes: list[Lane], drafting: list[Lane], started: float) -> tuple[list, RoundReport]:
         """Draft, price, verify, commit: the phases of a drafted round, in order, each timed."""
-        ends = []
+        behind_prompt, ends = self._launched_behind_prompt(), []
         drafts, proposal = self._draft(lanes, drafting)
-        ends.append(self.clock())
+        ends.append(self._now())
         draft_seconds = ends[-1] - started
         depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
-        ends.append(self.clock())
+        ends.append(self._now())
         out, choices = self._verify(lanes, windows, drafting, drafts, proposal)
-        ends.append(self.clock())
+        ends.append(self._now())
         mx.eval(*choices.arrays(), *(proposal.arrays() if proposal is not None else ()))  # the round's one host sync
-        ends.append(self.clock())
+        ends.append(self._now())
         outcomes = self._outcomes(choices, proposal, lanes, windows, drafting, drafts)
-        ends.append(self.clock())
+        ends.append(self._now())
         events, proposed_at, accepted_at = self._commit(lanes, drafting, windows, drafts, out, outcomes)
-        ends.append(self.clock())
+        ends.append(self._now())
         emitted = sum(len(event.token_ids) for _, event in events)
         report = RoundReport("drafted", len(lanes), sum(out.widths), emitted, ends[-1] - started, len(drafting),
                              sum(1 for d, depth in zip(drafts, depths) if d.ngram and depth), draft_seconds, proposed_at, accepted_at,
-                             phase_seconds=dict(zip(DRAFTED_PHASES, (b - a for a, b in zip([started, *ends], ends)))))
+                             phase_seconds=dict(zip(DRAFTED_PHASES, (b - a for a, b in zip([started, *ends], ends)))),
+                             behind_prompt=behind_prompt)
         return events, report
 
     def _draft(self, lanes: list[Lane], drafting: list[Lane]) -> tuple[list[Draft], object]:
@@ -766,14 +805,14 @@ class RoundRunner:
         asked = [lane for lane in drafting if id(lane) not in looked]
         if not asked:
             return [looked[id(lane)] for lane in drafting], None
-        began = self.clock()
+        began = self._now()
         self.fold_pending(asked, launch=False)  # launched with the proposal that reads it
         # Verification compares tokens only: the chain's float32 logits are never read, and
         # the confidences only where they price this round.
         proposal = self.drafter.propose([lane.drafter_slot for lane in asked], [lane.anchor for lane in asked], g,
                                         drafter_pick(asked, g, self.seen), chain_logits=False, confidences=self.price_live)
         (mx.eval if self.price_live else mx.async_eval)([*proposal.arrays(), *self.drafter.state_arrays()])
-        self._draft_seconds = self.clock() - began  # unread: the host's part only
+        self._draft_seconds = self._now() - began  # unread: the host's part only
         row = {id(lane): i for i, lane in enumerate(asked)}
         drafts = [looked.get(id(lane)) or Draft(None, self._counted(0, lane, g), row=row[id(lane)]) for lane in drafting]
         if self.price_live:

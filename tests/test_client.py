@@ -278,21 +278,43 @@ def test_a_faulty_prefill_ends_only_its_lanes(short_dir, plain, monkeypatch):
     assert_nothing_held(built)
 
 
-def test_each_chunk_of_a_prompt_waits_on_the_device_once_its_first_token_included(short_dir, plain, monkeypatch):
+def test_a_joining_lanes_first_token_is_read_after_the_others_round_is_launched(short_dir, plain, monkeypatch):
+    built = engine(short_dir, lanes=2)
+    calls = []
+    for name in ("prefill", "run", "first_tokens"):
+        real = getattr(built.rounds, name)
+        monkeypatch.setattr(built.rounds, name, lambda *args, real=real, name=name: calls.append(name) or real(*args))
+    done = {}
+    on_event = lambda e: e.completion and done.setdefault(e.request_id, e.completion.token_ids)
+    built.submit(Request(PROMPTS[0], 24, id="decoding", on_event=on_event))
+    while calls.count("run") < 3:
+        built.step()
+    built.submit(Request(PROMPTS[1], 24, id="joining", on_event=on_event))
+    del calls[:]
+    built.step()
+    # Its prompt launched, the decoding lane's round launched behind it, then its first token read.
+    assert calls == ["prefill", "run", "first_tokens"]
+    built.run_until_idle()
+    assert [done["decoding"], done["joining"]] == plain[:2]
+
+
+def test_a_long_prompt_is_launched_at_most_one_chunk_ahead_of_the_host(short_dir, plain, monkeypatch):
     built = engine(short_dir, lanes=2, prefill_chunk=4)
-    syncs, per_chunk = [], []
-    real_eval, real_slice = mx.eval, built._prefill_slice
+    waits, per_chunk = [], []
+    real_eval, real_prefill = mx.eval, built.rounds.prefill
 
-    def counted(prefilling):
-        before = len(syncs)
-        real_slice(prefilling)
-        per_chunk.append(len(syncs) - before)
+    def counted(lanes, chunks):
+        before = len(waits)
+        read = real_prefill(lanes, chunks)
+        per_chunk.append(len(waits) - before)
+        return read
 
-    monkeypatch.setattr(mx, "eval", lambda *arrays: (syncs.append(1), real_eval(*arrays))[1])
-    monkeypatch.setattr(built, "_prefill_slice", counted)
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (waits.append(1), real_eval(*arrays))[1])
+    monkeypatch.setattr(built.rounds, "prefill", counted)
     (done,) = built.generate([Request(PROMPTS[5], 24)])
     assert done.token_ids == plain[5]
-    assert per_chunk == [1] * -(-len(PROMPTS[5]) // 4)  # the last chunk's first token in the same sync
+    # Each chunk after the first waits for the one before; the last is waited for as its first token is read.
+    assert per_chunk == [0] + [1] * (-(-len(PROMPTS[5]) // 4) - 1)
 
 
 def test_shutdown_ends_every_lane_with_a_final_event_and_the_client_restarts(short_dir):

@@ -133,7 +133,9 @@ def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
     decoders = [Request(p, 200, on_event=count) for p in PROMPTS[:15]]  # eos may end a few early
     for request in decoders:
         engine.submit(request)
-    while engine.running < 15 or any(emitted.get(r.id, 0) == 0 for r in decoders):
+    # Each decoding: its first token out, then a round's (a lane joins the rounds at the step
+    # after the one that reads its first token).
+    while engine.running < 15 or any(emitted.get(r.id, 0) < 2 for r in decoders):
         engine.step()
     long_prompt = [1] + [int(t) for t in np.random.default_rng(7).integers(15, 500, 1000)]
     reader = Request(long_prompt, 4, on_event=count)
@@ -302,11 +304,11 @@ def test_pipelined_plain_rounds_equal_synchronous_ones(dense_dir):
 
 
 def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense_dir):
-    # A plain round in flight when a prompt's chunk is read lands after the chunk: its
-    # time must end where it had run, or the guard and the cost table see plain rounds
-    # slowed by every prompt read beside them. A clock that moves 1 ms per round's forward
-    # and 1 s as a prefill is evaluated (when its state is handed to mx.eval) shows which
-    # is counted.
+    # A prompt's chunk is read between a plain round's launch and its landing: the host's
+    # time reading it must not count as the round's, or the guard and the cost table see
+    # plain rounds slowed by every prompt read beside them. A clock that moves 1 ms per
+    # round's forward and 1 s as a chunk is launched (when its state is handed to the
+    # device) shows which is counted.
     now = [0.0]
 
     def clock():
@@ -335,15 +337,21 @@ def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense
     rounds = RoundRunner(target, clock=clock)
     seconds = []
     account = rounds._account
-    rounds._account = lambda report, decision, context: seconds.append(report.seconds) or account(report, decision, context)
+    reports = []
+    rounds._account = lambda report, decision, context: reports.append(report) or account(report, decision, context)
     engine = Engine(target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=2, prefill_chunk=8), rounds=rounds)
     decoder = Request(PROMPTS[0], 40)
     engine.submit(decoder)
-    while not seconds:
+    while not reports:
         engine.step()
-    engine.submit(Request([1] + list(range(20, 84)), 4))  # read in 8 slices beside the decoder's rounds
+    reader = [1] + list(range(20, 84))
+    engine.submit(Request(reader, 4))  # read in 9 slices beside the decoder's rounds
     engine.run_until_idle()
+    seconds = [report.seconds for report in reports]
     assert len(seconds) > 20 and max(seconds) < 0.1, max(seconds)
+    # The device's time for a slice that ends no prompt (none waits for it) may fall in the
+    # round launched next: that round is not evidence.
+    assert sum(report.behind_prompt for report in reports) == -(-len(reader) // 8) - 1
 
 
 def test_a_round_that_fails_after_a_lane_ended_in_it_still_sends_that_lanes_last_event(dense_dir, solo):
