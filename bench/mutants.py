@@ -199,9 +199,16 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "prompt-read-counted-as-round-time",
-        "a plain round in flight while a prompt's chunk is read is timed to its landing, after the chunk: "
-        "plain rounds look as slow as the prompts read beside them",
-        (Edit("lanes/round.py", "        self._settle_inflight()  # the round in flight ran while this chunk's graph was built\n", ""),),
+        "rounds are timed on the clock itself, the host's time reading a prompt's chunk inside their interval "
+        "included: plain rounds look as slow as the prompts read beside them",
+        (Edit("lanes/round.py", "        return self.clock() - self._prompt_seconds\n", "        return self.clock()\n"),),
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "unseen-slice-taken-as-evidence",
+        "the round launched after a prompt's chunk that no read waits for is timed as evidence, the chunk's "
+        "device time perhaps in it",
+        (Edit("lanes/round.py", "self._prompt_in_flight, self._behind_prompt = read, not read.lanes", "self._prompt_in_flight, self._behind_prompt = read, False"),),
         ("tests/test_engine.py",),
     ),
     Mutant(

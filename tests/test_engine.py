@@ -337,8 +337,10 @@ def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense
     rounds = RoundRunner(target, clock=clock)
     seconds = []
     account = rounds._account
-    reports = []
+    reports, observed = [], []
     rounds._account = lambda report, decision, context: reports.append(report) or account(report, decision, context)
+    observe = rounds.costs.observe
+    rounds.costs.observe = lambda *args: observed.append(args) or observe(*args)
     engine = Engine(target, loaded.tokenizer, loaded.eos_ids, config=EngineConfig(max_streams=2, prefill_chunk=8), rounds=rounds)
     decoder = Request(PROMPTS[0], 40)
     engine.submit(decoder)
@@ -352,6 +354,7 @@ def test_a_prompt_read_beside_a_pipelined_round_is_not_counted_as_its_time(dense
     # The device's time for a slice that ends no prompt (none waits for it) may fall in the
     # round launched next: that round is not evidence.
     assert sum(report.behind_prompt for report in reports) == -(-len(reader) // 8) - 1
+    assert len(observed) == sum(1 for report in reports if not (report.first_of_shape or report.behind_prompt))
 
 
 def test_a_round_that_fails_after_a_lane_ended_in_it_still_sends_that_lanes_last_event(dense_dir, solo):
