@@ -288,7 +288,7 @@ class RoundRunner:
         Launched, not awaited, behind the round in flight: the engine launches its next
         round before reading the first tokens, so a lane joining does not leave the
         device idle while the host waits for its prompt and then builds that round. The
-        round launched next shares its interval with the chunk (`behind_prompt`)."""
+        host's time here is no round's (`_now`)."""
         began = self.clock()
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
         out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
