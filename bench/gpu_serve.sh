@@ -22,6 +22,7 @@
 #
 # Env: CHECKPOINTS (/root/ck), BUDGET (560 s), MIN_SECONDS (5), ROUNDS (at most; 5),
 # MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model),
+# LOG_LEVEL (INFO): laneserve's --log-level (DEBUG logs every round and guard decision).
 # LOOKUP (0): laneserve's --prompt-lookup. Off by default: a decisive random target's
 # replies repeat themselves, so lookup's copies are accepted nearly whole and the drafted
 # figures would measure those loops, not the drafter at the published profile (session
@@ -88,8 +89,8 @@ checkpoints() {  # model
 start_servers() {  # model: starts both servers in the background, their pids in model_pids
   read -r _ _ _ lport mport <<<"$(spec "$1")"
   mkdir -p "$out/$1"
-  python -m bench.serve_scripted --model "$ck/$1" --draft-model "$ck/$1-dspark" --port "$lport" --max-streams 16 \
-    --prompt-lookup "$lookup" >"$out/$1/laneserve.log" 2>&1 &
+  python -m bench.serve_scripted --log-level "${LOG_LEVEL:-INFO}" --model "$ck/$1" --draft-model "$ck/$1-dspark" --port "$lport" \
+    --max-streams 16 --prompt-lookup "$lookup" >"$out/$1/laneserve.log" 2>&1 &
   local lpid=$!
   python -m mlx_lm.server --model "$ck/$1" --port "$mport" >"$out/$1/mlx_lm.log" 2>&1 &
   local mpid=$!

@@ -204,7 +204,7 @@ class Engine:
             self._totals, self._finished_by_reason = totals, finished
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
-        profile(self.rounds, self.config.max_streams)
+        profile(self.rounds, self.config.max_streams, prompt_chunk=self.config.prefill_chunk)
 
     def run(self, stopping: threading.Event, wake: threading.Event) -> None:
         """The engine thread's loop: step until `stopping` is set and nothing is in flight

@@ -50,10 +50,11 @@ class Target(Protocol):
 
     def forward(self, lanes: list[LaneCache], tokens: list[list[int]] | mx.array, *, logits: str = "all",
                 taps: tuple[int, ...] = (), key_bucket: int = 1, widths: list[int] | None = None,
-                at: DeviceLengths | None = None) -> RoundOutput:
+                at: DeviceLengths | None = None, steady: bool = False) -> RoundOutput:
         """Lane i feeds `tokens[i]` at its next positions (or, given a lazy packed array,
-        `widths[i]` rows each, one by default; `at`: from lengths only the device knows);
-        nothing is kept until `commit` (or `keep`, then `count`)."""
+        `widths[i]` rows each, one by default; `at`: from lengths only the device knows;
+        `steady`: host tokens padded to a steady width, rows past each lane's own never
+        kept); nothing is kept until `commit` (or `keep`, then `count`)."""
 
     def commit(self, output: RoundOutput, kept: list[int]) -> None:
         """Keep the first `kept[i]` rows of lane i; drop the rest."""
@@ -76,6 +77,9 @@ class Target(Protocol):
 
     def row_bucket(self, rows: int, ceiling: int | None = None) -> int:
         """The steady row count `rows` pads to where shapes are kept steady."""
+
+    def chunk_bucket(self, rows: int) -> int:
+        """The steady width a prompt chunk of `rows` rows pads to (`forward(steady=True)`)."""
 
     def kv_bytes(self) -> int: ...
     def kv_bytes_in_use(self) -> int: ...

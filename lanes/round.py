@@ -291,7 +291,8 @@ class RoundRunner:
         host's time here is no round's (`_now`)."""
         began = self.clock()
         drafting = [lane for lane in lanes if lane.drafter_slot is not None]
-        out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)))
+        out = self.target.forward([lane.target_slot for lane in lanes], chunks, logits="last", taps=self.taps(bool(drafting)),
+                                  steady=self.steady_shapes)
         self.target.commit(out, [len(chunk) for chunk in chunks])
         for lane, chunk, start in zip(lanes, chunks, out.row_starts):
             if lane.drafter_slot is not None:

@@ -38,11 +38,12 @@ def rehearsal(runner: RoundRunner):
             runner.calibrator, runner.counted_chances, runner._drafter_yield, runner._draft_seconds = learned
 
 
-def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2) -> None:
+def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2, prompt_chunk: int = 512) -> None:
     """Where shapes are kept steady, run once every shape a round can take for up to
     `max_lanes` lanes (plain and bucketed verify widths with and without taps, lanes on
     the first slots and on others, greedy and sampled proposals, bucketed context
-    appends): each is a plan or a compiled trace the backend builds on first use. Then
+    appends) and the steady prompt chunks (`prompt_shapes`): each is a plan or a
+    compiled trace the backend builds on first use. Then
     seed the cost table: target forwards of L lanes x w rows and drafter proposals for L
     lanes, at a short context, best of `repeats`."""
     target, drafter = runner.target, runner.drafter
@@ -52,6 +53,8 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
         widths = sorted({1} | {runner.verify_width(w) for w in range(2, runner.proposals + 2)})
     elif drafter is not None:
         widths = sorted({1, 2, 4, runner.proposals + 1})
+    if runner.steady_shapes:
+        _read_every_prompt_shape(runner, max_lanes, prompt_chunk)
     prompt = [1 + (i % (target.vocab_size - 1)) for i in range(context)]
     slots = [target.open_lane() for _ in range(max_lanes)]
     out = target.forward(slots, [prompt] * len(slots), logits="last", taps=runner.taps(drafter is not None))
@@ -114,6 +117,30 @@ def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int
             drafter.close_lane(slot)
     if drafter is not None and runner.steady_shapes:
         _append_every_bucket(runner, out.taps[:1], max_lanes)
+
+
+def prompt_shapes(target, max_lanes: int, prompt_chunk: int) -> list[tuple[int, int]]:
+    """The (lanes, width) of the steady prompt chunks (`forward(steady=True)`) an engine
+    reads most: any number of lanes joining with prompts of up to 64 tokens (a chat
+    turn), one lane with any longer chunk."""
+    short = sorted({target.chunk_bucket(w) for w in range(1, min(64, prompt_chunk) + 1)})
+    long = sorted({target.chunk_bucket(w) for w in range(65, prompt_chunk + 1)})
+    return [(lanes, w) for lanes in range(1, max_lanes + 1) for w in short] + [(1, w) for w in long]
+
+
+def _read_every_prompt_shape(runner: RoundRunner, max_lanes: int, prompt_chunk: int) -> None:
+    """Read a prompt chunk of each of `prompt_shapes` into fresh lanes (so its keys span
+    what a new prompt's do), with and without the drafter's taps; never committed."""
+    target = runner.target
+    slots = [target.open_lane() for _ in range(max_lanes)]
+    try:
+        for lanes, width in prompt_shapes(target, max_lanes, prompt_chunk):
+            for taps in {(), runner.taps(runner.drafter is not None)}:
+                read = target.forward(slots[:lanes], [[1] * width] * lanes, logits="last", taps=taps, steady=True)
+                mx.eval(read.logits, *([read.taps] if taps else []), *target.state_arrays())
+    finally:
+        for slot in slots:
+            target.close_lane(slot)
 
 
 def _append_every_bucket(runner: RoundRunner, row: mx.array, max_lanes: int) -> None:

@@ -132,3 +132,48 @@ def test_lazy_rows_in_any_lane_order_equal_host_rows(checkpoint, request):
     np.testing.assert_allclose(np.array(lazy.logits), np.array(listed.logits), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(lazy.taps), np.array(listed.taps), rtol=1e-5, atol=1e-5)
     assert lazy.row_starts == listed.row_starts == [0, 4, 8]
+
+
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+def test_steady_prompt_reads_equal_ragged_ones(checkpoint, request):
+    # Prompt chunks padded to one steady width (so a backend that plans per shape meets a
+    # few shapes) keep exactly what the ragged read keeps: last rows' logits, the taps of
+    # every own row, the caches, and the step after. Lanes out of slot order, one lane
+    # part-way through its prompt, and widths the padding must decline.
+    path = request.getfixturevalue(checkpoint)
+    started = tokens(40, 9)
+    chunks = [tokens(41, 5), tokens(42, 3), tokens(43, 4)]
+
+    def read(steady: bool, chunks):
+        target = fresh_target(path, lanes=3)
+        lanes = [target.open_lane() for _ in chunks]
+        target.prefill(lanes[1], started)
+        order = [2, 0, 1]
+        out = target.forward([lanes[i] for i in order], [chunks[i] for i in order], logits="last", taps=TAPS, steady=steady)
+        target.commit(out, [len(chunks[i]) for i in order])
+        taps = [np.array(out.taps[s : s + len(chunks[i])]) for s, i in zip(out.row_starts, order)]
+        step = target.forward(lanes, [[7], [8], [9]])
+        mx.eval(out.logits, step.logits)
+        return out, np.array(out.logits), taps, [lane_state(target, lane) for lane in lanes], np.array(step.logits)
+
+    ragged, steady = read(False, chunks), read(True, chunks)
+    assert ragged[0].widths == [4, 5, 3] and steady[0].widths == [8, 8, 8]
+    np.testing.assert_allclose(steady[1], ragged[1], atol=1e-4)
+    for ours, theirs in zip(steady[2], ragged[2]):
+        np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    for ours, theirs in zip(steady[3], ragged[3]):
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], atol=1e-5, err_msg=name)
+    np.testing.assert_allclose(steady[4], ragged[4], atol=1e-4)
+    # A long chunk beside short ones would more than double the rows: read as it is.
+    assert read(True, [tokens(44, 40), tokens(45, 2), tokens(46, 3)])[0].widths == [3, 40, 2]
+
+
+def test_steady_prompt_reads_stop_short_of_the_context_limit(dense_dir):
+    target = fresh_target(dense_dir, lanes=1)
+    lane = target.open_lane()
+    target.prefill(lane, tokens(47, target.context_limit - 40))
+    out = target.forward([lane], [tokens(48, 33)], logits="last", steady=True)  # 64 rows would pass the limit
+    assert out.widths == [33]
+    target.commit(out, [33])
+    assert lane.length == target.context_limit - 7

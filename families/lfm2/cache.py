@@ -37,6 +37,13 @@ def row_bucket(rows: int, ceiling: int | None = None) -> int:
     return min(bucket, ceiling) if ceiling is not None and rows <= ceiling else bucket
 
 
+def chunk_bucket(rows: int) -> int:
+    """The steady width a prompt chunk of `rows` rows pads to: a power of two up to 64,
+    then a multiple of 64 (a prompt's last chunk is any length up to the engine's chunk,
+    and a power of two past 64 would nearly double the widest ones' work)."""
+    return row_bucket(rows) if rows <= 64 else -(-rows // 64) * 64
+
+
 class Traces:
     """Compiled functions by spec: `traces(spec)` is `mx.compile(build(spec))`, traced on
     first use. The spec holds everything about a call that is not an array (a value read

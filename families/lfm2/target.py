@@ -31,6 +31,7 @@ from .cache import (
     RaggedLayout,
     SlotAllocator,
     Traces,
+    chunk_bucket,
     plans_per_shape,
     put_stacked_rows,
     row_bucket,
@@ -153,6 +154,24 @@ class Lfm2Target:
         cores; overlapped drafted rounds ran slower there than rounds in step."""
         return mx.default_device().type == mx.DeviceType.gpu
 
+    def steady_width(self, widths: list[int], bounds: list[int]) -> int | None:
+        """The one width lanes feeding `widths` rows at `bounds` pad to in a steady forward
+        (`forward(steady=True)`), or None where they stay as they are: where padding
+        would more than double the rows (a long prompt's chunk beside short ones), or
+        reach past the context limit. On a backend that plans each matmul shape once
+        (CUDA's cuBLASLt, about 3.5 ms a shape on the H200), chunks of the lengths
+        prompts come in would pay for new plans at nearly every read: a joining lane's
+        prompt stalled the rounds of every other lane."""
+        width = chunk_bucket(max(widths))
+        if width * len(widths) > 2 * sum(widths) or max(bounds) + width > self.context_limit:
+            return None
+        return width
+
+    @staticmethod
+    def chunk_bucket(rows: int) -> int:
+        """The steady width a prompt chunk of `rows` rows pads to (see cache.chunk_bucket)."""
+        return chunk_bucket(rows)
+
     @staticmethod
     def row_bucket(rows: int, ceiling: int | None = None) -> int:
         """The steady row count that `rows` pads to (see cache.row_bucket)."""
@@ -173,6 +192,7 @@ class Lfm2Target:
         key_bucket: int = 1,
         widths: list[int] | None = None,
         at: DeviceLengths | None = None,
+        steady: bool = False,
     ) -> RoundOutput:
         """One ragged forward: lane i feeds `tokens[i]` at positions `length_i ...`.
         `tokens` may also be a lazy array of the packed rows, lane after lane, lane i
@@ -182,7 +202,9 @@ class Lfm2Target:
         the attention's key span up (see RaggedLayout). `at`: the lanes' lengths as the
         device holds them, where a round in flight has not reported what it kept (the
         rows then go at `at.lengths[i] ...`; `keep` such a round, then `count` it once
-        read)."""
+        read). `steady` (host tokens): pad every lane's rows to one steady width
+        (`steady_width`), rows past a lane's own computed and never kept, so prompt chunks
+        of any lengths meet a few shapes; "last" still means each lane's last own row."""
         lazy = isinstance(tokens, mx.array)
         if not lazy:
             widths = [len(t) for t in tokens]
@@ -192,6 +214,10 @@ class Lfm2Target:
         furthest = max(b + w for b, w in zip(bounds, widths))
         if furthest > self.context_limit:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
+        own = widths
+        if steady and not lazy and (width := self.steady_width(widths, bounds)) is not None:
+            tokens = [t + [t[-1]] * (width - len(t)) for t in tokens]
+            widths = [width] * len(lanes)
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
         slots = [lanes[i].slot for i in order]
@@ -221,7 +247,7 @@ class Lfm2Target:
             h = h[caller_rows]
             tapped = [t[caller_rows] for t in tapped]
         if logits == "last":
-            h = h[mx.array([s + w - 1 for s, w in zip(row_starts, widths)], dtype=mx.int32)]
+            h = h[mx.array([s + w - 1 for s, w in zip(row_starts, own)], dtype=mx.int32)]
         out_taps = mx.concatenate(tapped, axis=-1) if tapped else None
         record = RoundRecord([lanes[i] for i in order], order, layout, windows, conv_kept, self._conv_version)
         return RoundOutput(self.model.head(h), out_taps, row_starts, widths, record)
