@@ -285,6 +285,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_pricing.py",),
     ),
     Mutant(
+        "steady-prompt-read-logits-from-padding",
+        "a prompt chunk padded to a steady width gives its first token from the last padding row, "
+        "not from the lane's own last row",
+        (Edit("families/lfm2/target.py", "for s, w in zip(row_starts, own)]", "for s, w in zip(row_starts, widths)]"),),
+        ("tests/test_lfm2_rounds.py",),
+    ),
+    Mutant(
+        "steady-prompt-read-past-the-limit",
+        "a prompt chunk near the context limit is still padded to a steady width, its padding rows past the limit",
+        (Edit("families/lfm2/target.py", " or max(bounds) + width > self.context_limit:", ":"),),
+        ("tests/test_lfm2_rounds.py",),
+    ),
+    Mutant(
         "conv-kernel-commit-misorders-lanes",
         "on CUDA, a verify's conv states are rebuilt with each lane's kept rows taken from another lane "
         "(the kernels' path; the CPU's operations are untouched)",
