@@ -37,3 +37,22 @@ def test_logs_from_before_the_phases_give_the_draft_alone():
             "drafting_lanes=1 context=300")
     [group] = summary(rounds([line, "5516 laneserve.guard something else"]))
     assert group["phases_ms"] == {"draft": pytest.approx(3.9)} and group["ms_per_token"] == pytest.approx(2.6)
+
+
+def test_a_stamped_log_gives_each_round_its_interval_and_the_share_rounds_cover():
+    def line(at: str, kind: str, seconds: float) -> str:
+        return (f"2026-12-05 16:28:{at} laneserve.round DEBUG round kind={kind} lanes=16 rows=160 emitted=80 "
+                f"seconds={seconds:.6f} draft_seconds=0.000000 drafting_lanes=16 context=100")
+
+    log = [line("10,000", "drafted", 0.008), line("10,010", "drafted", 0.008), "2026-12-05 16:28:10,011 laneserve.access x",
+           line("10,030", "drafted", 0.010), line("15,000", "drafted", 0.008),  # after an idle engine: no interval
+           line("15,004", "plain", 0.004)]
+    found = rounds(log)
+    assert "interval" not in found[0] and [r["interval"] for r in found[1:3]] == [pytest.approx(0.010), pytest.approx(0.020)]
+    groups = {g["kind"]: g for g in summary(found)}
+    assert groups["drafted"]["median_interval_ms"] == pytest.approx(15.0)
+    assert groups["drafted"]["in_rounds"] == pytest.approx(0.018 / 0.030)
+    assert groups["plain"]["in_rounds"] == pytest.approx(1.0)
+    assert [r["seconds"] for r in rounds(log, ("16:28:11", "16:28:20"))] == [0.008, 0.004]
+    unstamped = [entry[len("2026-12-05 16:28:10,000 "):] for entry in log[:2]]  # as bench_engine's --log writes them
+    assert "in_rounds" not in summary(rounds(unstamped))[0]
