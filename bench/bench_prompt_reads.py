@@ -1,26 +1,31 @@
-"""Reading prompts of lengths never read before: what a fused-attention plan per shape
-costs, and what laneserve's rule saves.
+"""Reading prompts of lengths never read before: what a plan per shape costs, and what
+laneserve's rules save.
 
     python -m bench.bench_prompt_reads --model DIR --out bench/results/NAME [--length 1000] [--count 20] [--long 32768]
+        [--lanes 1]
 
-A backend that plans its fused attention per shape (cuDNN's, on CUDA) pays for a plan
-the first time it meets each query and key length. laneserve's rule
-(families/lfm2/model.py `fused_attention`) gives the fused kernel there only to prompt
-chunks of a multiple of STEADY_QUERY rows, whose shapes recur from prompt to prompt, and
-attends a prompt's last, partial chunk with matmuls. Two systems alternate in one
-process, each turn reading prompts no system has read before, so every partial chunk is
-a new shape:
+A backend that plans per shape (cuDNN's fused attention and cuBLASLt's matmuls, on CUDA)
+pays for a plan the first time it meets each shape. laneserve's rules: the fused
+attention only for prompt chunks of a multiple of STEADY_QUERY rows, whose shapes recur
+from prompt to prompt, a prompt's last, partial chunk attended with matmuls
+(families/lfm2/model.py `fused_attention`); and since ac3607c every lane of a prompt
+read padded to one steady width, so its matmuls meet a few row counts
+(`Lfm2Target.steady_width`). Three systems alternate in one process, each turn reading
+prompts no system has read before, so every partial chunk is a new length:
 
-- steady: laneserve's rule;
-- every_shape: every chunk over SMALL_QUERY rows takes the fused kernel (the rule before).
+- steady: laneserve's rules;
+- every_shape: every chunk over SMALL_QUERY rows takes the fused kernel (the rule before);
+- ragged_rows: each lane's rows as they come (before ac3607c).
 
-Each turn of a system reads `--count` random prompts of about `--length` tokens and one
-of about `--long` tokens (0: none), one token generated each, one lane. Reported: the
-median milliseconds per short prompt and seconds for the long one over the
-`--alternations` turns, with their spread, and the ratio taken per turn. The first turn
-also pays for the plans of the full chunks, which later turns (and the other system)
-reuse; systems take turns first in alternate order. Writes NAME.json and NAME.md
-(`--name`, default prompt-reads) under --out, each with its command, commit and machine.
+Each turn of a system reads `--count` times `--lanes` random prompts of about `--length`
+tokens, read together (lanes joining at once), and one of about `--long` tokens (0:
+none), one token generated each. Reported: the median milliseconds per short read and
+seconds for the long one over the `--alternations` turns, with their spread, and the
+ratios to steady taken per turn. The first turn also pays for the plans of the full
+chunks (and, steady, of its widths), which later turns reuse; systems take turns first
+in rotating order. On a backend that plans nothing per shape (the CPU) the three run
+alike. Writes NAME.json and NAME.md (`--name`, default prompt-reads) under
+--out, each with its command, commit and machine.
 """
 
 from __future__ import annotations
@@ -40,44 +45,48 @@ from families.lfm2.checkpoint import default_target_dir
 from lanes.engine import Engine, EngineConfig
 from lanes.lane import Request
 
-SYSTEMS = {"steady": lfm2_model.STEADY_QUERY, "every_shape": 1}  # STEADY_QUERY 1: every length is "steady"
+# Per system: the STEADY_QUERY in force (1: every length is "steady"), and whether prompt
+# reads pad to steady widths.
+SYSTEMS = {"steady": (lfm2_model.STEADY_QUERY, True), "every_shape": (1, True), "ragged_rows": (lfm2_model.STEADY_QUERY, False)}
 
 
 def run(args) -> dict:
     record = provenance()
-    loaded = open_target(args.model, dtype=args.dtype, max_lanes=1)
-    engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=1))
+    loaded = open_target(args.model, dtype=args.dtype, max_lanes=args.lanes)
+    target = loaded.target
+    engine = Engine(target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=args.lanes))
     rng = np.random.default_rng(args.seed)
     fresh = itertools.count(1)  # each prompt a length no one has read: a new partial chunk
 
-    def read(length: int) -> float:
-        prompt = [int(t) for t in rng.integers(20, loaded.target.vocab_size - 1, length + next(fresh))]
+    def read(length: int, lanes: int) -> float:
+        prompts = [[int(t) for t in rng.integers(20, target.vocab_size - 1, length + next(fresh))] for _ in range(lanes)]
         started = time.perf_counter()
-        engine.generate([Request(prompt, 1)])
+        engine.generate([Request(prompt, 1) for prompt in prompts])
         return time.perf_counter() - started
 
-    read(args.length)  # the engine's own first-call costs, outside every turn
+    read(args.length, args.lanes)  # the engine's own first-call costs, outside every turn
+    steady_width = target.steady_width
     turns = {name: {"short_ms": [], "long_s": []} for name in SYSTEMS}
     for turn in range(args.alternations):
-        order = list(SYSTEMS) if turn % 2 == 0 else list(reversed(SYSTEMS))
+        order = list(SYSTEMS)[turn % len(SYSTEMS):] + list(SYSTEMS)[: turn % len(SYSTEMS)]
         for name in order:
-            lfm2_model.STEADY_QUERY = SYSTEMS[name]
-            shorts = [read(args.length) for _ in range(args.count)]
+            lfm2_model.STEADY_QUERY, steady_widths = SYSTEMS[name]
+            target.steady_width = steady_width if steady_widths else (lambda widths, bounds: None)
+            shorts = [read(args.length, args.lanes) for _ in range(args.count)]
             turns[name]["short_ms"].append(1e3 * statistics.median(shorts))
             if args.long:
-                turns[name]["long_s"].append(read(args.long))
-            print(f"turn {turn + 1} {name}: {turns[name]['short_ms'][-1]:.1f} ms per short prompt"
+                turns[name]["long_s"].append(read(args.long, 1))
+            print(f"turn {turn + 1} {name}: {turns[name]['short_ms'][-1]:.1f} ms per short read"
                   + (f", long {turns[name]['long_s'][-1]:.2f} s" if args.long else ""), flush=True)
-    lfm2_model.STEADY_QUERY = SYSTEMS["steady"]
+    lfm2_model.STEADY_QUERY, target.steady_width = SYSTEMS["steady"][0], steady_width
     result = {**record, "model": str(args.model), "dtype": args.dtype or "as stored", "plans_per_shape": plans_per_shape(),
-              "length": args.length, "count": args.count, "long": args.long, "alternations": args.alternations,
-              "steady_query": SYSTEMS["steady"], "systems": {}}
+              "length": args.length, "count": args.count, "lanes": args.lanes, "long": args.long,
+              "alternations": args.alternations, "steady_query": SYSTEMS["steady"][0], "systems": {}, "over_steady": {}}
     for name, cells in turns.items():
         result["systems"][name] = {key: summary(values) for key, values in cells.items() if values}
-    for key in ("short_ms", "long_s"):
-        if turns["steady"][key]:
-            ratios = [e / s for s, e in zip(turns["steady"][key], turns["every_shape"][key])]
-            result.setdefault("every_shape_over_steady", {})[key] = summary(ratios)
+        if name != "steady":
+            result["over_steady"][name] = {key: summary([o / s for s, o in zip(turns["steady"][key], values)])
+                                           for key, values in cells.items() if values}
     return result
 
 
@@ -92,19 +101,19 @@ def markdown(result: dict) -> str:
     lines = [
         markdown_line(result),
         "",
-        (f"One lane, one token generated per prompt; every prompt a length not read before in the process. "
-         f"Backend plans per shape: {result['plans_per_shape']}. Medians [min-max] over {result['alternations']} turns; "
-         "ratios taken per turn."),
+        (f"{result['lanes']} lane(s) per short read, one for the long one, one token generated per prompt; every prompt "
+         f"a length not read before in the process. Backend plans per shape: {result['plans_per_shape']}. Medians "
+         f"[min-max] over {result['alternations']} turns; ratios taken per turn."),
         "",
-        "| system | ms per prompt of ~{} tokens (median of {}) | s per prompt of ~{} tokens |".format(
-            result["length"], result["count"], result["long"] or "-"),
+        "| system | ms per read of {} prompt(s) of ~{} tokens (median of {}) | s per prompt of ~{} tokens |".format(
+            result["lanes"], result["length"], result["count"], result["long"] or "-"),
         "|---|---:|---:|",
     ]
     for name, s in result["systems"].items():
         lines.append(f"| {name} | {cell(s['short_ms'], 1)} | {cell(s['long_s'], 2) if 'long_s' in s else '-'} |")
-    ratio = result.get("every_shape_over_steady", {})
-    lines.append(f"| every_shape / steady | {cell(ratio['short_ms'], 2)}x | "
-                 f"{cell(ratio['long_s'], 2) + 'x' if 'long_s' in ratio else '-'} |")
+    for name, ratio in result["over_steady"].items():
+        lines.append(f"| {name} / steady | {cell(ratio['short_ms'], 2)}x | "
+                     f"{cell(ratio['long_s'], 2) + 'x' if 'long_s' in ratio else '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,7 +122,8 @@ def main() -> None:
     p.add_argument("--model", default=str(default_target_dir()))
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--length", type=int, default=1000, help="tokens of a short prompt, about")
-    p.add_argument("--count", type=int, default=20, help="short prompts per turn")
+    p.add_argument("--count", type=int, default=20, help="short reads per turn")
+    p.add_argument("--lanes", type=int, default=1, help="prompts read together in a short read (lanes joining at once)")
     p.add_argument("--long", type=int, default=32768, help="tokens of the long prompt, about (0: none)")
     p.add_argument("--alternations", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

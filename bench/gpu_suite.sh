@@ -31,7 +31,10 @@
 #   prefix    bench_prefix_cache, 2.6B shape: an 8-turn chat to 4K
 #             tokens, cache on and off                                -> gpu-prefix-cache-2.6b.{json,md}
 #   prompts   bench_prompt_reads, 2.6B shape: prompts of new lengths,
-#             fused attention for steady chunks only or for every one -> prompt-reads-2.6b.{json,md}
+#             fused attention for steady chunks only or for every one,
+#             rows at steady widths or ragged; then four chat-sized
+#             prompts joining at once                                 -> prompt-reads-2.6b.{json,md},
+#                                                                        prompt-joins-2.6b.{json,md}
 #   fuse      cuda_cache_fuse: MLX's graph-cache fuse, bare and with
 #             laneserve's backend defaults                            -> cuda-cache-fuse.{json,md}
 #   settings  backend_settings, 2.6B shape, published drafter shape:
@@ -146,6 +149,7 @@ prefix)
 prompts)
   checkpoints_2_6b
   step python -m bench.bench_prompt_reads --model "$ck/2.6b" --out "$out" --name prompt-reads-2.6b
+  step python -m bench.bench_prompt_reads --model "$ck/2.6b" --out "$out" --name prompt-joins-2.6b --length 48 --lanes 4 --long 0
   ;;
 fuse)
   step python -m bench.cuda_cache_fuse --out "$out"
