@@ -3,10 +3,16 @@
     python -m bench.bench_concurrent --url [NAME=]URL [--url [NAME=]URL2 ...] --streams 1,4,8,16
         [--prompts FILE|builtin] [--distinct|--same] [--max-tokens N] [--draft on|off|both]
         [--rounds R] [--min-seconds S] [--out DIR] [--model NAME] [--endpoint chat|completions] [--time-budget S]
+        [--max-tokens-spread F]
 
 A cell is one server, one draft setting and one stream count N: N workers each keep one
 streamed request in flight, so exactly N streams are in flight from the cell's start
-until its last measured request ends. Workers start measured requests for
+until its last measured request ends. `--max-tokens-spread F` draws each request's
+max_tokens from max_tokens x (1 - F) .. x (1 + F), the k-th request of every cell the
+same draw: replies of one length keep the streams of a server that emits a token per
+lane per round in step, so they all end in one round and their next prompts are read
+together, where requests in service end and arrive apart (and a drafting server's lanes
+drift apart on their own). Workers start measured requests for
 `--min-seconds`; after that they send unmeasured ones only while a measured request is
 still running (so the streams stay full to the end), and the cell ends when those
 finish. Cells alternate in rounds: within a round every stream count runs every
@@ -36,6 +42,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -123,20 +130,23 @@ class Runner:
         self.session = session
         self.prompts = prompts
 
-    def spec(self, k: int, setting: Setting) -> RequestSpec:
+    def spec(self, k: int, setting: Setting, longest: bool = False) -> RequestSpec:
+        """The k-th request of a cell; `longest`: with the most tokens any request may ask
+        for (priming: the scripted drafter then records every reply whole)."""
         index = k % len(self.prompts) if self.args.distinct else 0
         # A prompt keeps its seed, so its reply is the one the priming pass recorded.
         sampling = Sampling(self.args.temperature, self.args.seed + index if self.args.temperature > 0 else None)
         logprobs = 0 if setting.server.counting == "logprobs" else None
-        return RequestSpec(self.prompts[index], self.args.max_tokens, sampling, setting.draft, self.args.endpoint,
-                           self.args.model, logprobs)
+        low, high = max_tokens_range(self.args.max_tokens, self.args.max_tokens_spread)
+        max_tokens = high if longest else random.Random(f"{self.args.seed}:{k}").randint(low, high)
+        return RequestSpec(self.prompts[index], max_tokens, sampling, setting.draft, self.args.endpoint, self.args.model, logprobs)
 
     async def untimed(self, setting: Setting, count: int, concurrency: int) -> list[RequestRecord]:
         gate = asyncio.Semaphore(concurrency)
 
         async def one(k: int) -> RequestRecord:
             async with gate:
-                return (await stream(self.session, setting.server.url, self.spec(k, setting))).record
+                return (await stream(self.session, setting.server.url, self.spec(k, setting, longest=True))).record
 
         return await asyncio.gather(*(one(k) for k in range(count)))
 
@@ -201,6 +211,11 @@ class Runner:
         return result
 
 
+def max_tokens_range(max_tokens: int, spread: float) -> tuple[int, int]:
+    """The least and most tokens a request asks for: max_tokens x (1 -/+ spread), at least 1."""
+    return max(1, round(max_tokens * (1 - spread))), max(1, round(max_tokens * (1 + spread)))
+
+
 def write(out: Path, result: dict, final: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     result["summary"] = summarize(result["cells"], result["baseline"])
@@ -228,7 +243,8 @@ async def run(args) -> dict:
             "settings": [s.label for s in settings],
             "baseline": settings[0].label,
             "prompts": args.prompts, "prompt_count": len(prompts), "distinct": args.distinct,
-            "endpoint": args.endpoint, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "endpoint": args.endpoint, "max_tokens": args.max_tokens, "max_tokens_spread": args.max_tokens_spread,
+            "temperature": args.temperature,
             "min_seconds": args.min_seconds, "rounds": args.rounds, "rounds_run": 0, "streams": args.streams,
             "cells": [],
         }
@@ -263,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
                        help="each request takes the next prompt, cycling (default)")
     order.add_argument("--same", dest="distinct", action="store_false", help="every request sends the first prompt")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens-spread", type=float, default=0.0,
+                   help="each request asks for max_tokens x (1 - F) .. x (1 + F) tokens, drawn per request (0: all alike)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="with --temperature > 0: prompt i is sent with seed SEED + i")
     p.add_argument("--draft", choices=["on", "off", "both"], default="both")
@@ -278,7 +296,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if not 0 <= args.max_tokens_spread < 1:
+        p.error(f"--max-tokens-spread must be at least 0 and below 1, got {args.max_tokens_spread}")
     args.provenance = provenance(sys.argv[1:] if argv is None else argv, __spec__.name)
     result = asyncio.run(run(args))
     print(markdown(result))

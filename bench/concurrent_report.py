@@ -65,7 +65,9 @@ def markdown(result: dict) -> str:
         "",
         markdown_line(result),
         (f"- {result['prompt_count']} prompts ({result['prompts']}, {'distinct per request' if result['distinct'] else 'all the same'}), "
-        f"{result['endpoint']} endpoint, max_tokens {result['max_tokens']}, temperature {result['temperature']}"),
+        f"{result['endpoint']} endpoint, max_tokens {result['max_tokens']}"
+        + (f" x (1 -/+ {result['max_tokens_spread']:g}), drawn per request" if result.get("max_tokens_spread") else "")
+        + f", temperature {result['temperature']}"),
         (f"- cells of at least {result['min_seconds']} s with the streams full, {result['rounds_run']} round(s) of "
         f"{result['rounds']} asked; each figure is the "
         "median over rounds [min-max]; 'vs base' is the per-round ratio of output tok/s to "

@@ -22,6 +22,8 @@
 #
 # Env: CHECKPOINTS (/root/ck), BUDGET (560 s), MIN_SECONDS (5), ROUNDS (at most; 5),
 # MAX_TOKENS (128), STREAMS (1,4,8,16), MODELS ("2.6b 8b"), EXACT_RESERVE (45 s a model),
+# SPREAD (0): bench_concurrent's --max-tokens-spread (replies of varied lengths, so plain
+# lanes do not end in one round and rejoin together; see bench_concurrent).
 # LOG_LEVEL (INFO): laneserve's --log-level (DEBUG logs every round and guard decision).
 # LOOKUP (0): laneserve's --prompt-lookup. Off by default: a decisive random target's
 # replies repeat themselves, so lookup's copies are accepted nearly whole and the drafted
@@ -139,7 +141,7 @@ bench() {  # model, seconds for bench_concurrent
   read -r _ _ _ lport mport <<<"$(spec "$1")"
   say "$1: bench_concurrent, streams $streams, at least $min_seconds s a cell, up to $rounds rounds within $2 s"
   python -m bench.bench_concurrent --url "laneserve=http://127.0.0.1:$lport" --url "mlx_lm=http://127.0.0.1:$mport" \
-    ${beside:+--url "$beside_name=http://127.0.0.1:$((lport + 4))"} --streams "$streams" --draft both --rounds "$rounds" --min-seconds "$min_seconds" --max-tokens "$max_tokens" \
+    ${beside:+--url "$beside_name=http://127.0.0.1:$((lport + 4))"} --streams "$streams" --draft both --rounds "$rounds" --min-seconds "$min_seconds" --max-tokens "$max_tokens" --max-tokens-spread "${SPREAD:-0}" \
     --time-budget "$2" --out "$out/$1" 2>&1 | tee "$out/$1/bench_concurrent.log"
 }
 

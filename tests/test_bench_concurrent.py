@@ -191,6 +191,27 @@ def test_request_bodies_send_draft_seed_and_logprobs_only_when_asked():
     assert text["prompt"] == "hi" and text["logprobs"] == 0 and "seed" not in text
 
 
+def test_spread_replies_draw_each_requests_max_tokens_the_same_in_every_cell():
+    import argparse
+
+    from bench.bench_concurrent import Runner, Server, Setting, main, max_tokens_range
+
+    assert max_tokens_range(128, 0.0) == (128, 128) and max_tokens_range(128, 0.5) == (64, 192)
+    assert max_tokens_range(2, 0.9) == (1, 4)
+    args = argparse.Namespace(distinct=True, temperature=0.0, seed=0, max_tokens=100, max_tokens_spread=0.5,
+                              endpoint="chat", model=None)
+    runner = Runner(args, None, ["a", "b"])
+    setting = Setting(Server("s", "http://x", True, True, "usage"), True)
+    draws = [runner.spec(k, setting).max_tokens for k in range(200)]
+    assert all(50 <= n <= 150 for n in draws) and len(set(draws)) > 50
+    assert draws == [runner.spec(k, Setting(setting.server, False)).max_tokens for k in range(200)]  # same in every cell
+    assert {runner.spec(k, setting, longest=True).max_tokens for k in range(5)} == {150}  # priming records replies whole
+    args.max_tokens_spread = 0.0
+    assert {runner.spec(k, setting).max_tokens for k in range(20)} == {100}
+    with pytest.raises(SystemExit):
+        main(["--url", "http://127.0.0.1:9", "--max-tokens-spread", "1.5"])
+
+
 # ---- the report -------------------------------------------------------------------------------
 
 
@@ -267,8 +288,9 @@ def test_bench_concurrent_end_to_end(scripted_server, tmp_path):
     prompts.write_text("Tell me about the sea.\nName three colours.\nWhat is a lane?\n")
     out = tmp_path / "out"
     main(["--url", f"laneserve={scripted_server}", "--streams", "1,2", "--min-seconds", "1", "--rounds", "1",
-          "--max-tokens", "6", "--prompts", str(prompts), "--out", str(out)])
+          "--max-tokens", "6", "--max-tokens-spread", "0.5", "--prompts", str(prompts), "--out", str(out)])
     result = json.loads((out / "bench_concurrent.json").read_text())
+    assert result["max_tokens_spread"] == 0.5
     assert result["servers"][0]["drafting"] and result["settings"] == ["laneserve draft off", "laneserve draft on"]
     cells = {(c["draft"], c["streams"]): c for c in result["cells"]}
     assert set(cells) == {(False, 1), (True, 1), (False, 2), (True, 2)}
@@ -288,6 +310,7 @@ def test_bench_concurrent_end_to_end(scripted_server, tmp_path):
         assert 0 <= drafted["prompt_lookup_share"] <= 1 and plain["prompt_lookup_share"] is None
     assert len(result["summary"]) == 4
     assert "| laneserve draft on | 2 |" in (out / "bench_concurrent.md").read_text()
+    assert "max_tokens 6 x (1 -/+ 0.5), drawn per request" in (out / "bench_concurrent.md").read_text()
     assert (out / "bench_concurrent.png").read_bytes().startswith(b"\x89PNG")
 
 
