@@ -17,6 +17,7 @@ from lanes.lane import FinishReason, Request
 from lanes.pricing import CostTable
 from lanes.round import RoundRunner
 from lanes.sampling import SamplingParams
+from lanes.warmup import profile, prompt_shapes
 from tests.priced import (
     assert_drafted,
     fewest_drafted_rounds,
@@ -381,3 +382,24 @@ def test_a_round_that_fails_after_a_lane_ended_in_it_still_sends_that_lanes_last
     assert [d.token_ids for d in ended] == [solo[0][:4]]
     assert all(d.finish_reason is FinishReason.ERROR and "building the next round failed" in d.error
                for d in done if d not in ended)
+
+
+def test_a_steady_warm_up_reads_every_steady_prompt_shape_into_fresh_lanes(dense_dir, drafter_dir, monkeypatch):
+    # A backend that plans per shape meets each steady prompt chunk at warm-up, not when
+    # a request's lane joins: chat-sized chunks at every lane count, longer ones alone,
+    # into lanes holding nothing (a new prompt's keys span its own rows), with and
+    # without the drafter's taps.
+    engine = make_engine(dense_dir, drafter_dir, lanes=3, timed=False, steady_shapes=True)
+    reads = set()
+    forward = engine.target.forward
+
+    def watched(lanes, tokens, **kwargs):
+        if kwargs.get("steady"):
+            reads.add((len(lanes), len(tokens[0]), bool(kwargs.get("taps")), max(lane.length for lane in lanes)))
+        return forward(lanes, tokens, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", watched)
+    profile(engine.rounds, 3, prompt_chunk=200)
+    shapes = prompt_shapes(engine.target, 3, 200)
+    assert shapes == [(n, w) for n in (1, 2, 3) for w in (1, 2, 4, 8, 16, 32, 64)] + [(1, 128), (1, 192), (1, 256)]
+    assert reads == {(n, w, taps, 0) for n, w in shapes for taps in (False, True)}

@@ -160,8 +160,8 @@ class Lfm2Target:
         would more than double the rows (a long prompt's chunk beside short ones), or
         reach past the context limit. On a backend that plans each matmul shape once
         (CUDA's cuBLASLt, about 3.5 ms a shape on the H200), chunks of the lengths
-        prompts come in would pay for new plans at nearly every read: a joining lane's
-        prompt stalled the rounds of every other lane."""
+        prompts come in would meet a new shape at nearly every read, and in service
+        every decoding lane's round waits on a joining lane's read."""
         width = chunk_bucket(max(widths))
         if width * len(widths) > 2 * sum(widths) or max(bounds) + width > self.context_limit:
             return None
