@@ -273,3 +273,17 @@ def test_a_bad_budget_is_refused_by_name(dense_dir):
     loaded = open_target(dense_dir, max_lanes=1)
     with pytest.raises(ValueError, match="positive budget"):
         PrefixCache(loaded.target, None, 0)
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_steady_prompt_reads_resume_and_record_blocks_exactly(drafting, dense_dir, drafter_dir):
+    # Padded to steady widths (as on CUDA), a resumed turn reads the rest of its prompt past
+    # a cached prefix, the padding rows run past block boundaries the lane never keeps:
+    # every turn must still equal a fresh lane's, and the blocks it records resume exactly.
+    messages = chat(4, seed=3)
+    engine = tiny_engine(dense_dir, drafter_dir if drafting else None, 4, None, draft_width=4 if drafting else None,
+                         prefix_cache_bytes=BUDGET, prefix_block_tokens=BLOCK, steady_shapes=True)
+    done = converse(engine, messages)
+    prompts = prompts_of(messages, done)
+    assert [d.token_ids for d in done] == fresh(dense_dir, drafter_dir if drafting else None, prompts)
+    assert all(d.cached_tokens > 0 for d in done[1:])
