@@ -298,6 +298,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lfm2_rounds.py",),
     ),
     Mutant(
+        "padded-prompt-chunk-takes-the-fused-kernel",
+        "where the backend plans per shape, a prompt's partial chunk padded to a multiple of STEADY_QUERY rows "
+        "takes the fused attention by its padded rows: a new cuDNN plan for each new key span",
+        (Edit("families/lfm2/model.py", "layout.attention_mask(layout.span), rows=layout.own_width)",
+              "layout.attention_mask(layout.span))"),),
+        ("tests/test_attention_paths.py",),
+    ),
+    Mutant(
         "conv-kernel-commit-misorders-lanes",
         "on CUDA, a verify's conv states are rebuilt with each lane's kept rows taken from another lane "
         "(the kernels' path; the CPU's operations are untouched)",

@@ -77,3 +77,33 @@ def test_prompts_read_either_way_give_the_same_tokens(dense_dir, monkeypatch):
     plain = tokens()
     monkeypatch.setattr(model, "plans_per_shape", lambda: True)
     assert tokens() == plain
+
+
+def test_a_partial_chunk_padded_to_a_steady_width_keeps_to_the_matmuls(dense_dir, plans, monkeypatch):
+    # A steady prompt read pads 200 rows to 256, a multiple of STEADY_QUERY: its attention
+    # still goes by the rows the lane brought (matmuls), its key span no steadier than a
+    # partial chunk's ever was, and the tokens are those of the read unpadded.
+    prompt = [1] + [int(t) for t in np.random.default_rng(8).integers(15, 500, 199)]
+    fused_rows, attended_rows = [], []
+    fused, attend_as_is = mx.fast.scaled_dot_product_attention, model.attend
+
+    def watched(q, *args, **kwargs):
+        fused_rows.append(q.shape[2])
+        return fused(q, *args, **kwargs)
+
+    def attending(q, *args, **kwargs):
+        attended_rows.append(q.shape[2])
+        return attend_as_is(q, *args, **kwargs)
+
+    def tokens(steady: bool):
+        loaded = open_target(dense_dir, max_lanes=1)
+        engine = Engine(loaded.target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=1, steady_shapes=steady))
+        (done,) = engine.generate([Request(prompt, 6)])
+        return done.token_ids
+
+    plain = tokens(False)
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", watched)
+    monkeypatch.setattr(model, "attend", attending)
+    assert tokens(True) == plain
+    assert STEADY_QUERY in attended_rows  # the read was padded
+    assert [t for t in fused_rows if t > 1] == []

@@ -77,17 +77,20 @@ class RaggedLayout:
     """
 
     def __init__(self, widths: list[int], offsets: list[int] | None, key_bucket: int = 1, *,
-                 offsets_array: mx.array | None = None, reach: int | None = None):
+                 offsets_array: mx.array | None = None, reach: int | None = None, own_width: int | None = None):
         """`offsets` are each lane's first position, as host ints. Where only the device
         knows them (`offsets_array`: a compiled segment's traced offsets, or lengths a
         round in flight has not reported), `reach` bounds the furthest row any lane
-        reaches, for the key span; a compiled segment attends no keys (no span)."""
+        reaches, for the key span; a compiled segment attends no keys (no span).
+        `own_width`: the most rows a lane brought, where rows were padded to `widths` (a
+        steady prompt read); the attention path goes by it."""
         if not widths or min(widths) < 1:
             raise ValueError(f"every lane in a round needs at least one row, got widths {widths}")
         self.widths = list(widths)
         self.offsets = None if offsets is None else list(offsets)
         self.lanes = len(widths)
         self.width = max(widths)
+        self.own_width = self.width if own_width is None else own_width
         self.rows = sum(widths)
         self.uniform = min(widths) == self.width
         self.row_starts = [0]

@@ -44,12 +44,14 @@ def fused_attention(rows: int, scores: int = 0) -> bool:
     return rows % STEADY_QUERY == 0 or scores > MATMUL_SCORES or not plans_per_shape()
 
 
-def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask, rows: int | None = None) -> mx.array:
     """Grouped-query attention `softmax(q k^T * scale + mask) v`: q `[N, heads, T, D]`,
     keys and values `[N, kv_heads, S, D]`, mask boolean `[N, 1, T, S]`, "causal"
-    (bottom-right aligned: row j sees the first S - T + 1 + j keys) or None."""
+    (bottom-right aligned: row j sees the first S - T + 1 + j keys) or None. `rows`: the
+    rows a lane brought where T pads them (a steady prompt read): a partial chunk padded
+    to a multiple of STEADY_QUERY keeps to the matmuls, its key span no steadier than before."""
     n, heads, t, d = q.shape
-    if fused_attention(t, n * heads * t * keys.shape[2]):
+    if fused_attention(rows or t, n * heads * t * keys.shape[2]):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     kv_heads, s = keys.shape[1], keys.shape[2]
     if isinstance(mask, str):
@@ -307,7 +309,7 @@ class Attention(nn.Module):
             return attention_kernel.pool_attention(q, *pool.views(), layout.slot_ids(slots), layout.offsets_array, self.scale,
                                                    causal=True)
         keys, values = pool.read(slots, layout)
-        return attend(q, keys, values, self.scale, layout.attention_mask(layout.span))
+        return attend(q, keys, values, self.scale, layout.attention_mask(layout.span), rows=layout.own_width)
 
     def finish(self, o: mx.array, layout: RaggedLayout) -> mx.array:
         """Attention output `[N, heads, W, D]` -> packed rows after `out_proj`."""

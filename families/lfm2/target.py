@@ -222,7 +222,7 @@ class Lfm2Target:
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
         slots = [lanes[i].slot for i in order]
         if at is None:
-            layout = RaggedLayout([widths[i] for i in order], [bounds[i] for i in order], key_bucket)
+            layout = RaggedLayout([widths[i] for i in order], [bounds[i] for i in order], key_bucket, own_width=max(own))
         else:
             layout = RaggedLayout([widths[i] for i in order], None, key_bucket, offsets_array=in_slot_order(at.lengths, order),
                                   reach=furthest)
