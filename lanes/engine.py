@@ -33,6 +33,13 @@ from .warmup import profile, rehearsal
 
 log = logging.getLogger("laneserve.engine")
 
+# MLX's buffer cache is handed back when the engine goes idle, and while lanes decode only
+# once it holds more than this or than the KV the pools reserve (a pool grown or shrunk
+# leaves its old buffer there). Freeing it on CUDA waits for the device, and every round
+# after allocates its buffers afresh: done as each lane ended, it slowed the rounds of a
+# batch's tail and of lanes joining in service.
+CACHE_HELD_FLOOR = 1 << 30
+
 
 class QueueFull(RuntimeError):
     """The waiting queue is at its bound; retry later."""
@@ -404,7 +411,9 @@ class Engine:
                 lane.drafter_slot = None
             lane.pending_taps, lane.pending_tokens = [], []
         self._running = [lane for lane in self._running if not lane.finished]
-        mx.clear_cache()
+        reserved = self.target.kv_bytes() + (self.drafter.kv_bytes() if self.drafter is not None else 0)
+        if not self._running or mx.get_cache_memory() > max(CACHE_HELD_FLOOR, reserved):
+            mx.clear_cache()
 
     def _offer(self, lane: Lane) -> None:
         """Give a finished lane's blocks to the prefix cache (not a faulted lane's: its

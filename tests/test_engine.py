@@ -11,6 +11,7 @@ import pytest
 
 from families.lfm2 import open_target
 from lanes.client import EngineClient
+import lanes.engine as engine_module
 from lanes.engine import Engine, EngineConfig, QueueFull, RequestError
 from lanes.guard import DraftGuard
 from lanes.lane import FinishReason, Request
@@ -118,6 +119,24 @@ def test_cancelling_lanes_changes_nothing_else_and_frees_memory(dense_dir, draft
     mx.clear_cache()
     assert mx.get_active_memory() <= idle
     assert engine.target.kv_bytes() == 0 and engine.drafter.kv_bytes() == 0
+
+
+def test_mlx_buffer_cache_is_handed_back_when_idle_not_as_each_lane_ends(dense_dir, drafter_dir, solo, monkeypatch):
+    engine = make_engine(dense_dir, drafter_dir, sequences(solo))
+    calls = []
+    monkeypatch.setattr(engine_module.mx, "clear_cache", lambda: calls.append(engine.running))
+    finished = Finished()
+    requests = [Request(p, n, on_event=finished) for p, n in zip(PROMPTS, LENGTHS)]
+    assert len(set(LENGTHS)) > 1  # lanes end in different rounds
+    engine.generate(requests)
+    assert [finished[r.id].token_ids for r in requests] == solo
+    assert calls == [0]  # once, as the last lane ended
+    # A cache past what the pools reserve (and the floor) is handed back while lanes decode.
+    monkeypatch.setattr(engine_module, "CACHE_HELD_FLOOR", 0)
+    monkeypatch.setattr(engine_module.mx, "get_cache_memory", lambda: engine.target.kv_bytes() + engine.drafter.kv_bytes() + 1)
+    calls.clear()
+    engine.generate([Request(p, n) for p, n in zip(PROMPTS, LENGTHS)])
+    assert len(calls) > 1 and calls[-1] == 0 and any(calls[:-1])
 
 
 def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
