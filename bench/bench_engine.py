@@ -24,7 +24,9 @@ are unchanged; `--decisive 1` keeps the weights as drawn.
 For each stream count: N distinct prompts; plain and drafted runs alternate
 `--alternations` times; each run's decode phase (from the moment every lane has read
 its prompt until all finish) gives aggregate tokens per second; the ratio reported is
-the median over alternations of a drafted run's to the plain run's before it. Drafted
+the median over alternations of a drafted run's to the plain run's before it; beside it,
+the same up to each drafted run's first lane end, and the share of the run after it (the
+tail, where lanes that drifted apart finish one by one in rounds of fewer lanes). Drafted
 windows are priced and the guards decide each round, as in serving. Every drafted run's
 tokens are checked against the plain run's. Writes NAME.json and NAME.md (`--name`, default
 engine) under --out,
@@ -110,17 +112,26 @@ def decode_run(engine: Engine, prompts: list[list[int]], gen: int, decoding=cont
     requests = [Request(p, gen, on_event=count) for p in prompts]
     read_prompts(engine, requests)
     decoded["timing"] = True
+    first_end = None  # the time and the tokens as the step in which a lane first ended was done
     with decoding():
         started = time.perf_counter()
-        engine.run_until_idle()
+        while engine.step():
+            if first_end is None and finished:
+                first_end = (time.perf_counter(), decoded["tokens"])
         seconds = time.perf_counter() - started
     done = [finished[r.id] for r in requests]
     drafted = [n for d in done for n in d.draft.accepted_per_round]
+    ended_at, full_tokens = first_end or (started + seconds, decoded["tokens"])
     return {
         "tokens": [d.token_ids for d in done],
         "decode_tokens": decoded["tokens"],
         "seconds": seconds,
         "tok_s": decoded["tokens"] / seconds,
+        # The tail: from the first lane's end to the last's, fewer lanes share each round.
+        # Plain lanes of one length end in the same round; drafted ones drift apart.
+        "full_tok_s": full_tokens / max(ended_at - started, 1e-9),
+        "tail_seconds_share": 1 - (ended_at - started) / seconds,
+        "tail_tokens_share": 1 - full_tokens / max(decoded["tokens"], 1),
         "drafted_rounds": sum(d.draft.drafted_rounds for d in done),
         "rounds": sum(d.draft.rounds for d in done),
         "mean_accepted": statistics.mean(drafted) if drafted else 0.0,
@@ -196,6 +207,10 @@ def compare(plain: Engine, drafted_engine: Engine, prompts, gen: int, alternatio
         "plain_runs_tok_s": [r["tok_s"] for r in plain_runs],
         "drafted_runs_tok_s": [r["tok_s"] for r in drafted_runs],
         "drafting_cost": cost,
+        # Drafted runs before their first lane ends, against the plain run before each.
+        "full_ratio": statistics.median(d["full_tok_s"] / p["tok_s"] for p, d in zip(plain_runs, drafted_runs)),
+        "drafted_tail_seconds_share": statistics.median(d["tail_seconds_share"] for d in drafted_runs),
+        "drafted_tail_tokens_share": statistics.median(d["tail_tokens_share"] for d in drafted_runs),
         **beside,
     }
 
@@ -422,14 +437,20 @@ def markdown(result: dict) -> str:
     if result["streams"]:
         lines += ["", (f"Scripted acceptance at the published profile; prompts of {result['prompt_tokens']} tokens, "
                   f"{result['gen_tokens']} generated per stream, {result['alternations']} alternations:"), "",
-                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round |"
+                  "| streams | plain tok/s | drafted tok/s | drafted / plain | exact | drafted rounds | accepted per drafted round "
+                  "| drafted / plain until a lane ends | drafted runs' tail: time [tokens] |"
                   + (" in step tok/s | in step / plain | overlapped / in step [min-max] |" if result.get("in_step_beside") else ""),
-                  "|---:|---:|---:|---:|:---:|---:|---:|" + ("---:|---:|---:|" if result.get("in_step_beside") else "")]
+                  "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if result.get("in_step_beside") else "")]
     for n, r in result["streams"].items():
         beside = (f" {r['in_step_tok_s']:.1f} | {r['in_step_ratio']:.2f}x | {r['overlap_gain']:.2f}x "
                   f"[{min(r['overlap_gains']):.2f}-{max(r['overlap_gains']):.2f}] |" if "in_step_tok_s" in r else "")
         lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
-                     f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} |{beside}")
+                     f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} | {r['full_ratio']:.2f}x | "
+                     f"{r['drafted_tail_seconds_share']:.0%} [{r['drafted_tail_tokens_share']:.0%}] |{beside}")
+    if result["streams"]:
+        lines += ["", ("Until a lane ends: each drafted run's tokens per second up to its first lane's end, against "
+                       "the plain run before it. The tail: the share of a drafted run's time (and tokens) after that, "
+                       "while fewer lanes share each round; plain lanes of one length end in the same round.")]
     if result["long_context"]:
         turns = result.get("long_turn_tokens")
         how = (f"the two engines decoding at once in turns of {turns} tokens a lane, {result['long_alternations']} passes "

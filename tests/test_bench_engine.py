@@ -10,8 +10,10 @@ import contextlib
 import numpy as np
 import pytest
 
+import bench.bench_engine as bench_engine
 from bench.bench_engine import Setup, compare, decode_run, drafting_cost, TurnClock, in_turns, plain_round_upkeep
 from bench.scripted import falling_with_context_profile
+from lanes.lane import Completion, DraftStats, FinishReason, LaneEvent
 from tests.priced import EveryThirdPlain
 
 
@@ -71,6 +73,43 @@ def test_decoding_alone_runs_inside_the_given_context(dense_dir, drafter_dir):
     run = decode_run(setup.plain, setup.prompts(np.random.default_rng(1), 2, 40), 9, decoding)
     (_, busy, at_entry), (_, at_exit) = seen
     assert not busy and at_exit - before == 2 * 9 and at_exit - at_entry == run["decode_tokens"]
+
+
+class LanesEndingApart:
+    """An engine whose two lanes each take one token per 1 s round, the first ending after
+    2 rounds, the second after 6; `decode_run` reads the time from `clock`."""
+
+    waiting = prefilling = 0
+
+    def __init__(self, clock):
+        self.clock, self.requests = clock, []
+
+    def submit(self, request):
+        self.requests.append(request)
+
+    def step(self):
+        """The prompts' read (the first step), then one round a step: whether lanes are left."""
+        self.round = getattr(self, "round", -1) + 1
+        if self.round == 0:
+            return True
+        ends = [2, 6]
+        self.clock[0] += 1.0
+        for request, end in zip(self.requests, ends):
+            if self.round <= end:
+                done = Completion(request.id, 0, [7] * end, "", FinishReason.LENGTH, DraftStats()) if self.round == end else None
+                request.on_event(LaneEvent(request.id, [7], "", completion=done))
+        return self.round < max(ends)
+
+
+def test_a_run_reports_its_tail_from_the_first_lane_end_to_the_last(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(bench_engine.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_engine.mx, "synchronize", lambda: None)
+    run = decode_run(LanesEndingApart(clock), [[1], [2]], 6)
+    assert run["tok_s"] == pytest.approx(8 / 6)
+    # Until the first lane ended (2 s): 4 tokens; then 4 s more for the other lane's last 4.
+    assert run["full_tok_s"] == pytest.approx(2.0)
+    assert run["tail_seconds_share"] == pytest.approx(4 / 6) and run["tail_tokens_share"] == pytest.approx(4 / 8)
 
 
 def test_drafting_cost_is_what_drafted_rounds_took_beyond_plain_rounds_for_as_many_tokens():
