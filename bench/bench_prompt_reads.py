@@ -11,7 +11,9 @@ from prompt to prompt, a prompt's last, partial chunk attended with matmuls
 (families/lfm2/model.py `fused_attention`); and since ac3607c every lane of a prompt
 read padded to one steady width, so its matmuls meet a few row counts
 (`Lfm2Target.steady_width`). Three systems alternate in one process, each turn reading
-prompts no system has read before, so every partial chunk is a new length:
+prompts of lengths from `--length` up to twice it, each a length no prompt had before until
+they come round again (then in the same order), so partial chunks are new lengths until
+the process has met them all, as in service:
 
 - steady: laneserve's rules;
 - every_shape: every chunk over SMALL_QUERY rows takes the fused kernel (the rule before);
@@ -56,10 +58,16 @@ def run(args) -> dict:
     target = loaded.target
     engine = Engine(target, loaded.tokenizer, loaded.eos_ids, None, EngineConfig(max_streams=args.lanes))
     rng = np.random.default_rng(args.seed)
-    fresh = itertools.count(1)  # each prompt a length no one has read: a new partial chunk
+    # Each prompt a length no one has read, a new partial chunk, until the lengths come round:
+    # counting on without bound would take the short prompts to many times --length.
+    fresh = {length: itertools.count(1) for length in (args.length, args.long)}
+    lengths_read = []
 
     def read(length: int, lanes: int) -> float:
-        prompts = [[int(t) for t in rng.integers(20, target.vocab_size - 1, length + next(fresh))] for _ in range(lanes)]
+        sizes = [length + next(fresh[length]) % max(length, 1) for _ in range(lanes)]
+        if length == args.length:
+            lengths_read.extend(sizes)
+        prompts = [[int(t) for t in rng.integers(20, target.vocab_size - 1, size)] for size in sizes]
         started = time.perf_counter()
         engine.generate([Request(prompt, 1) for prompt in prompts])
         return time.perf_counter() - started
@@ -81,7 +89,8 @@ def run(args) -> dict:
     lfm2_model.STEADY_QUERY, target.steady_width = SYSTEMS["steady"][0], steady_width
     result = {**record, "model": str(args.model), "dtype": args.dtype or "as stored", "plans_per_shape": plans_per_shape(),
               "length": args.length, "count": args.count, "lanes": args.lanes, "long": args.long,
-              "alternations": args.alternations, "steady_query": SYSTEMS["steady"][0], "systems": {}, "over_steady": {}}
+              "alternations": args.alternations, "steady_query": SYSTEMS["steady"][0],
+              "short_prompts": len(lengths_read), "short_lengths": len(set(lengths_read)), "systems": {}, "over_steady": {}}
     for name, cells in turns.items():
         result["systems"][name] = {key: summary(values) for key, values in cells.items() if values}
         if name != "steady":
@@ -101,8 +110,9 @@ def markdown(result: dict) -> str:
     lines = [
         markdown_line(result),
         "",
-        (f"{result['lanes']} lane(s) per short read, one for the long one, one token generated per prompt; every prompt "
-         f"a length not read before in the process. Backend plans per shape: {result['plans_per_shape']}. Medians "
+        (f"{result['lanes']} lane(s) per short read, one for the long one, one token generated per prompt; "
+         f"{result['short_prompts']} short prompts of {result['short_lengths']} lengths, each new until they came round "
+         f"again. Backend plans per shape: {result['plans_per_shape']}. Medians "
          f"[min-max] over {result['alternations']} turns; ratios taken per turn."),
         "",
         "| system | ms per read of {} prompt(s) of ~{} tokens (median of {}) | s per prompt of ~{} tokens |".format(
