@@ -1,6 +1,7 @@
 """Where rounds' time goes, read from a lane-core log (`--log` of bench_engine or bench_default).
 
     python -m bench.round_phases LOG[.gz] --out DIR [--name NAME] [--min-rounds 20] [--between HH:MM:SS HH:MM:SS]
+        [--tails LANES]
 
 Groups the log's rounds by kind (plain, drafted, probe) and lane count and gives, per
 group of at least `--min-rounds` rounds (all of them in the JSON): the rounds, their median seconds and tokens, milliseconds per emitted token over
@@ -17,7 +18,9 @@ wall time it took in service. Such a log also gives, per group, the rounds' medi
 interval and the share of those intervals their own seconds cover (intervals over a
 second, where the engine idled, left out): what is left is the host's time outside
 rounds, reading prompts above all (`RoundRunner._now`). `--between` keeps the rounds
-logged within a window of the day (a cell of a benchmark).
+logged within a window of the day (a cell of a benchmark). `--tails LANES` reads a
+`bench_engine --log` (stamped since 4fe8f30): each drafting run at LANES streams, the wall
+time and tokens while every lane decodes and in its tail, as lanes end one by one.
 """
 
 from __future__ import annotations
@@ -63,6 +66,36 @@ def rounds(lines, between: tuple[str, str] | None = None) -> list[dict]:
     return found
 
 
+def tails(found: list[dict], lanes: int) -> list[dict]:
+    """The drafting runs of a `bench_engine --log` at `lanes` streams, each from its first
+    round of `lanes` lanes that is not plain to the plain engine's next round of `lanes`
+    lanes (its lanes end in one round, so it has no tail): the wall time and tokens of
+    the run's rounds while every lane decodes, and of its tail after, where lanes that
+    drifted apart end one by one. Needs a stamped log. The drafting engine's warm-up, whose
+    rehearsal rounds are drafted rounds of every lane count, reads as a run of its own."""
+    runs, current = [], None
+    for r in found:
+        full = int(r["lanes"]) == lanes
+        if current is None:
+            if full and r["kind"] != "plain":
+                current = [r]
+        elif full and r["kind"] == "plain" and any(int(x["lanes"]) < lanes for x in current):
+            runs.append(current)
+            current = None
+        else:
+            current.append(r)
+    out = []
+    for run in runs:
+        last_full = max(i for i, r in enumerate(run) if int(r["lanes"]) == lanes)
+        # A round's interval is its wall time (its own seconds for the first, or after an idle engine).
+        wall = [r["interval"] if i and r.get("interval", IDLE_SECONDS + 1) <= IDLE_SECONDS else r["seconds"]
+                for i, r in enumerate(run)]
+        out.append({"full_seconds": sum(wall[: last_full + 1]), "full_tokens": sum(r["emitted"] for r in run[: last_full + 1]),
+                    "tail_seconds": sum(wall[last_full + 1:]), "tail_tokens": sum(r["emitted"] for r in run[last_full + 1:]),
+                    "tail_rounds": {kind: sum(1 for r in run[last_full + 1:] if r["kind"] == kind) for kind in ("drafted", "probe", "plain")}})
+    return out
+
+
 def summary(found: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for r in found:
@@ -91,6 +124,18 @@ def markdown(result: dict, min_rounds: int) -> str:
     names = [n for n in DRAFTED_PHASES if any(n in r["phases_ms"] for r in groups)]
     walls = any("in_rounds" in r for r in groups)
     window = f", logged from {result['between'][0]} to {result['between'][1]}" if result.get("between") else ""
+    tail = ""
+    if result.get("tails"):
+        tail = "\n".join(["", f"Drafting runs of a bench_engine log at {result['tail_lanes']} streams: while every lane decodes, "
+                           "then the tail, where lanes end one by one (wall seconds, tokens, the tail's rounds by kind; "
+                           "the first holds the drafting engine's warm-up).", "",
+                           "| run | full: s | tokens | tail: s | tokens | tail share of time [tokens] | tail rounds drafted / probe / plain |",
+                           "|---:|---:|---:|---:|---:|---:|---|"]
+                          + [f"| {i} | {t['full_seconds']:.3f} | {t['full_tokens']:g} | {t['tail_seconds']:.3f} | {t['tail_tokens']:g} | "
+                             f"{t['tail_seconds'] / (t['full_seconds'] + t['tail_seconds']):.0%} "
+                             f"[{t['tail_tokens'] / max(t['full_tokens'] + t['tail_tokens'], 1):.0%}] | "
+                             f"{t['tail_rounds']['drafted']} / {t['tail_rounds']['probe']} / {t['tail_rounds']['plain']} |"
+                             for i, t in enumerate(result["tails"], 1)]) + "\n"
     lines = [markdown_line(result), "",
              f"Rounds of `{result['log']}`{window}, groups of at least {min_rounds}; medians per round, ms per token over all of "
              "a group's rounds" + ("; interval: the wall time since the round logged before it, 'in rounds' the share of "
@@ -103,7 +148,7 @@ def markdown(result: dict, min_rounds: int) -> str:
         wall = (f" {r['median_interval_ms']:.2f} | {r['in_rounds']:.0%} |" if "in_rounds" in r else " | |") if walls else ""
         lines.append(f"| {r['kind']} | {r['lanes']} | {r['rounds']} | {r['median_ms']:.2f} | {r['median_emitted']:g} "
                      f"| {r['ms_per_token']:.3f} |{wall}{phases}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + tail
 
 
 def main() -> None:
@@ -114,6 +159,8 @@ def main() -> None:
     parser.add_argument("--min-rounds", type=int, default=20, help="the fewest rounds a group in the markdown has")
     parser.add_argument("--between", nargs=2, metavar=("HH:MM:SS", "HH:MM:SS"),
                         help="only rounds logged from the first time of day to before the second (stamped logs)")
+    parser.add_argument("--tails", type=int, metavar="LANES",
+                        help="a bench_engine log: each drafting run at LANES streams, while every lane decodes and its tail")
     args = parser.parse_args()
     path = Path(args.log)
     opener = gzip.open if path.suffix == ".gz" else open
@@ -123,6 +170,8 @@ def main() -> None:
         raise SystemExit(f"round_phases: {path} holds no round lines" + (f" logged from {args.between[0]} to {args.between[1]}"
                          if args.between else " (a lane-core log written with --log?)"))
     result = {**provenance(), "log": str(path), "between": args.between, "groups": summary(found)}
+    if args.tails:
+        result |= {"tail_lanes": args.tails, "tails": tails(found, args.tails)}
     name = args.name or path.name.split(".")[0] + "-phases"
     write_result(args.out, name, result, markdown(result, args.min_rounds))
     print(markdown(result, args.min_rounds))

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from bench.round_phases import rounds, summary
+from bench.round_phases import rounds, summary, tails
 from lanes.lane import Request
 from lanes.round import DRAFTED_PHASES
 from tests.priced import tiny_engine
@@ -56,3 +56,20 @@ def test_a_stamped_log_gives_each_round_its_interval_and_the_share_rounds_cover(
     assert [r["seconds"] for r in rounds(log, ("16:28:11", "16:28:20"))] == [0.008, 0.004]
     unstamped = [entry[len("2026-12-05 16:28:10,000 "):] for entry in log[:2]]  # as bench_engine's --log wrote them before 4fe8f30
     assert "in_rounds" not in summary(rounds(unstamped))[0]
+
+
+def test_a_bench_engine_log_splits_each_drafting_run_into_its_full_rounds_and_its_tail():
+    def line(ms: int, kind: str, lanes: int, emitted: int, seconds: float) -> str:
+        return (f"2026-12-07 09:25:10,{ms:03d} laneserve.round DEBUG round kind={kind} lanes={lanes} rows={lanes} "
+                f"emitted={emitted} seconds={seconds:.6f} draft_seconds=0.000000 drafting_lanes={lanes} context=300")
+
+    log = [line(0, "plain", 4, 4, 0.002), line(2, "plain", 4, 4, 0.002),  # the plain engine's run: no tail
+           line(10, "drafted", 4, 16, 0.008), line(20, "drafted", 4, 18, 0.009), line(30, "probe", 4, 4, 0.004),
+           line(45, "drafted", 3, 9, 0.012), line(60, "plain", 2, 2, 0.003),  # lanes ended: the tail
+           line(62, "plain", 4, 4, 0.002),  # the plain engine again
+           line(70, "drafted", 4, 20, 0.008)]  # a run cut short: no tail yet, not counted
+    [run] = tails(rounds(log), 4)
+    assert run["full_tokens"] == 16 + 18 + 4 and run["tail_tokens"] == 9 + 2
+    assert run["full_seconds"] == pytest.approx(0.008 + 0.010 + 0.010)  # the first round's own seconds, then intervals
+    assert run["tail_seconds"] == pytest.approx(0.015 + 0.015)
+    assert run["tail_rounds"] == {"drafted": 1, "probe": 0, "plain": 1}
