@@ -377,6 +377,14 @@ MUTANTS: tuple[Mutant, ...] = (
               ""),),
         ("tests/test_overlap.py",),
     ),
+    Mutant(
+        "buffer-cache-freed-as-each-lane-ends",
+        "the engine hands MLX's buffer cache back whenever a lane ends, not only when it goes idle or the cache "
+        "outgrows its bound (on CUDA each such free waits for the device, and the rounds after allocate afresh)",
+        (Edit("lanes/engine.py", "        if not self._running or mx.get_cache_memory() > max(CACHE_HELD_FLOOR, reserved):\n",
+              "        if True:\n"),),
+        ("tests/test_engine.py",),
+    ),
 )
 
 
