@@ -38,7 +38,9 @@ rounds of the plain engine, drafted ones of the drafting engine, whose guard may
 few plain), with a drafted round's draft phase (the host building and launching the
 drafter's work) and the share of rounds of that kind; the ratio to the reference's run
 of the same cell in the same alternation, and drafted / plain within the setting;
-medians and [min-max] over alternations. `same tokens` says every run at that stream
+medians and [min-max] over alternations; for drafted cells also drafted / plain until the
+run's first lane ends and the share of the run after it (its tail, as `bench_engine`
+reports them). `same tokens` says every run at that stream
 count, plain and drafted, under every setting, emitted what the reference's first plain
 run did (a setting that changes which kernels run could move a near-tie; drafted runs
 must equal plain ones). NAME.json and NAME.md (under --out, with the command, commit and
@@ -157,8 +159,9 @@ def serve_cells(args) -> None:
         engine = engines[ask["engine"]]
         before = engine.rounds.counters.snapshot()
         run = decode_run(engine, prompts[ask["streams"]], args.gen_tokens)
+        tail = {key: run[key] for key in ("full_tok_s", "tail_seconds_share") if key in run}  # code before 4549e85 has none
         answers.write(json.dumps({"tok_s": run["tok_s"], "seconds": run["seconds"], "digest": tokens_digest(run["tokens"]),
-                                  **round_times(before, engine.rounds.counters.snapshot(), ask["engine"])}) + "\n")
+                                  **tail, **round_times(before, engine.rounds.counters.snapshot(), ask["engine"])}) + "\n")
 
 
 def round_times(before: dict, after: dict, mode: str) -> dict:
@@ -245,6 +248,10 @@ def summarize(labels: list[str], streams: list[int], runs: dict) -> dict:
                 entry["vs_reference"] = spread([r["tok_s"] / ref["tok_s"] for r, ref in zip(mine, runs[(n, engine, reference)])])
             if engine == "drafted":
                 entry["vs_plain"] = spread([d["tok_s"] / p["tok_s"] for d, p in zip(mine, runs[(n, "plain", label)])])
+                if all("full_tok_s" in d for d in mine):  # until a lane ends, and the tail after (bench_engine.decode_run)
+                    entry["vs_plain_until_a_lane_ends"] = spread([d["full_tok_s"] / p["tok_s"]
+                                                                  for d, p in zip(mine, runs[(n, "plain", label)])])
+                    entry["tail_share"] = spread([d["tail_seconds_share"] for d in mine])
             row["settings"][label] = entry
         summary[f"{n} {engine}"] = row
     return summary
@@ -320,17 +327,23 @@ def markdown(result: dict) -> str:
              *(f"- `{label}` ran the code of commit {worker['commit']}" for label, worker in result["workers"].items()
                if worker.get("code", ".") != "."),
              *(f"- failed: `{label}`: {why}" for label, why in result["failed"].items()),
-             "", "| streams | engine | setting | tok/s | round ms | of which drafting | rounds of its kind | vs reference | drafted / plain | same tokens |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|:---:|"]
+             "", ("| streams | engine | setting | tok/s | round ms | of which drafting | rounds of its kind | vs reference | drafted / plain "
+                  "| until a lane ends | tail | same tokens |"),
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for key, row in result["cells"].items():
         n, engine = key.split()
         for label, entry in row["settings"].items():
             tok_s = f"{entry['tok_s']['median']:.1f} [{entry['tok_s']['min']:.1f}-{entry['tok_s']['max']:.1f}]"
             vs_reference = fmt(entry["vs_reference"], "x") if "vs_reference" in entry else "-"
             vs_plain = fmt(entry["vs_plain"], "x") if "vs_plain" in entry else "-"
+            until = fmt(entry["vs_plain_until_a_lane_ends"], "x") if "vs_plain_until_a_lane_ends" in entry else "-"
+            tail = (f"{entry['tail_share']['median']:.0%} [{entry['tail_share']['min']:.0%}-{entry['tail_share']['max']:.0%}]"
+                    if "tail_share" in entry else "-")
             round_ms, drafting = (fmt(entry[key]) if key in entry else "-" for key in ("round_ms", "draft_ms"))
             lines.append(f"| {n} | {engine} | `{label}` | {tok_s} | {round_ms} | {drafting} | "
-                         f"{entry['mode_share']['median']:.0%} | {vs_reference} | {vs_plain} | {row['same_tokens']} |")
+                         f"{entry['mode_share']['median']:.0%} | {vs_reference} | {vs_plain} | {until} | {tail} | {row['same_tokens']} |")
+    lines += ["", ("Until a lane ends: a drafted run's tok/s up to its first lane's end over the plain run's; tail: the share "
+                   "of the drafted run after it, where lanes that drifted apart end one by one (code before 4549e85: '-').")]
     return "\n".join(lines) + "\n"
 
 

@@ -54,6 +54,11 @@ def test_ratios_pair_runs_of_the_same_alternation():
     assert "vs_reference" not in cells["1 plain"]["settings"]["ref"]
     drafted = cells["1 drafted"]["settings"]["other"]
     assert drafted["vs_plain"]["min"] == pytest.approx(1.5) and drafted["vs_plain"]["max"] == pytest.approx(2.0)
+    assert "tail_share" not in drafted  # answers of code before the tail was measured
+    for run, full in zip(runs[(1, "drafted", "other")], (270, 132)):
+        run |= {"full_tok_s": full, "tail_seconds_share": 0.25}
+    drafted = summarize(["ref", "other"], [1], runs)["1 drafted"]["settings"]["other"]
+    assert drafted["vs_plain_until_a_lane_ends"]["min"] == pytest.approx(2.25) and drafted["tail_share"]["median"] == 0.25
     assert cells["1 drafted"]["same_tokens"]
     runs[(1, "drafted", "other")][1] = answer(110, digest="b")
     assert not summarize(["ref", "other"], [1], runs)["1 plain"]["same_tokens"]
@@ -80,6 +85,7 @@ def test_two_settings_side_by_side(dense_dir, drafter_dir, tmp_path):
         assert [len(entry["tok_s_runs"]) for entry in row["settings"].values()] == [2, 2]
     report = (tmp_path / "backend-settings.md").read_text()
     assert f"| 2 | drafted | `{other}` |" in report and f"- `{other}` ran the code of commit {short}" in report
+    assert all("tail_share" in entry for entry in result["cells"]["2 drafted"]["settings"].values())
 
 
 def test_a_bad_setting_is_refused_by_name(dense_dir, drafter_dir, tmp_path, capsys):
