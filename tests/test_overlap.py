@@ -13,6 +13,7 @@ import pytest
 
 from bench.scripted import ScriptedDrafter, published_profile
 from families.lfm2 import attention_kernel, conv_kernel, open_target
+from families.lfm2.cache import KVPool
 from families.lfm2.drafter import load_drafter
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
@@ -146,6 +147,34 @@ def test_lanes_that_end_early_or_join_late_leave_the_rest_exact(dense_dir, draft
     # tokens after a reply's first come from kept drafts.
     kept, decoded = sum(d.draft.accepted for d in done), sum(len(d.token_ids) - 1 for d in done)
     assert kept >= 0.5 * decoded, f"{kept} kept drafts of {decoded} decoded tokens"
+
+
+def test_lanes_ending_one_by_one_leave_the_pools_as_they_are(dense_dir, drafter_dir, overlapped, monkeypatch):
+    # Prompts near a KV step (256 positions) and replies of staggered lengths: the lanes
+    # end one by one across it, as in a batch's tail. A pool shrunk to the rows left when a
+    # lane ended grew back at the next round (its key span rounds up to 256): every end
+    # copied every pool twice.
+    prompts = [[1] + [int(t) for t in np.random.default_rng(70 + i).integers(15, 500, 235 + i)] for i in range(6)]
+    limits = [8 + 6 * i for i in range(6)]
+    solo = [c.token_ids for c in engine_for(dense_dir, lanes=1).generate([Request(p, n) for p, n in zip(prompts, limits)])]
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(prompts, solo), lanes=6, steady_shapes=True)
+    changes = []
+    for name in ("reserve", "shrink"):
+        method = getattr(KVPool, name)
+
+        def recorded(pool, positions, method=method, name=name):
+            before = pool.capacity
+            method(pool, positions)
+            if pool.capacity != before:
+                changes.append((name, id(pool), engine.running))
+
+        monkeypatch.setattr(KVPool, name, recorded)
+    assert [d.token_ids for d in engine.generate([Request(p, n) for p, n in zip(prompts, limits)])] == solo
+    assert any(from_device for _, from_device in overlapped)
+    shrunk_while_open = {pool for name, pool, running in changes if name == "shrink" and running}
+    grown_after = [pool for i, (name, pool, _) in enumerate(changes)
+                   if name == "reserve" and any(c[0] == "shrink" and c[1] == pool and c[2] for c in changes[:i])]
+    assert not grown_after, f"{len(grown_after)} pools grew back after shrinking ({len(shrunk_while_open)} shrunk with lanes open)"
 
 
 def test_sampled_and_penalised_lanes_join_and_leave_overlapped_rounds_exactly(dense_dir, drafter_dir, carried):

@@ -223,8 +223,9 @@ class KVPool:
         self.values = values.reshape(-1, self.head_dim)
 
     def shrink(self, positions: int) -> None:
-        """Give memory back once no slot needs more than `positions` rows: keep the
-        capacity within one step of what the longest open lane holds."""
+        """Give memory back once no slot needs more than `positions` rows (0: none open),
+        to within a step of that. The copy is left to the next evaluation: waiting for it
+        here would wait for the round in flight too."""
         new_capacity = -(-positions // self.STEP) * self.STEP
         if new_capacity >= self.capacity:
             return
@@ -235,7 +236,6 @@ class KVPool:
             self.keys = mx.contiguous(self._shaped(self.keys)[:, :, :new_capacity]).reshape(-1, self.head_dim)
             self.values = mx.contiguous(self._shaped(self.values)[:, :, :new_capacity]).reshape(-1, self.head_dim)
         self.capacity = new_capacity
-        mx.eval(self.keys, self.values)
 
     def holding(self, keys: mx.array, values: mx.array) -> KVPool:
         """A pool of this geometry over other arrays: a compiled round writes and reads
@@ -297,8 +297,8 @@ def put_stacked_rows(pools: list[KVPool], slot: int, keys: mx.array, values: mx.
 
 class SlotAllocator:
     """Hands out the slots of a model's pools and takes them back. When a lane leaves,
-    the KV pools shrink to what the longest remaining lane needs, so memory returns to
-    its idle level once every lane has gone."""
+    the KV pools shrink to what the lanes left will ask for, so memory returns to its
+    idle level once every lane has gone."""
 
     def __init__(self, slots: int, pools: list[KVPool], owner: str):
         self.slots = slots
@@ -325,8 +325,12 @@ class SlotAllocator:
         lane.length = 0
         lane.conv_at.clear()
         longest = max((other.length for other in self._open.values()), default=0)
+        # The lanes left ask for their rows and a step more: a round's key span rounds up
+        # to a bucket of up to a step (KEY_BUCKET), its rows in flight beyond. Shrunk to
+        # the rows alone, the pools grew back at the next round, and as lanes ended one by
+        # one (a batch's tail, short replies in service) each end copied every pool twice.
         for pool in self.pools:
-            pool.shrink(longest)
+            pool.shrink(longest + KVPool.STEP if longest else 0)
 
 
 class ConvPool:
