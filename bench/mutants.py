@@ -385,6 +385,14 @@ MUTANTS: tuple[Mutant, ...] = (
               "        if True:\n"),),
         ("tests/test_engine.py",),
     ),
+    Mutant(
+        "kv-pools-shrink-to-rows-alone",
+        "as a lane ends the KV pools shrink to the rows the longest lane left holds, without the step its next rounds "
+        "ask for beyond them: the next round grows them back, and lanes ending one by one copy every pool twice each",
+        (Edit("families/lfm2/cache.py", "            pool.shrink(longest + KVPool.STEP if longest else 0)\n",
+              "            pool.shrink(longest)\n"),),
+        ("tests/test_overlap.py",),
+    ),
 )
 
 
