@@ -15,7 +15,11 @@ lane has read a random prompt of `--context` tokens:
 - peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
   the same number of sequences, on the same checkpoint, in the same process.
 
-`--families` names copies of the families package to compare in one process (an earlier
+`--slot-gap` also times each lane count's lanes in slots that do not start at 0 (names
+ending `@gap`), as a batch's tail leaves them once lanes have ended out of turn: the
+target's compiled segments then take the slots as an array (gathered and scattered)
+where slots 0..N-1 are read as views. `--families` names copies of the families package
+to compare in one process (an earlier
 commit's copy importable under another name, e.g. `base_families`); `--reserve N` also
 times one lane's plain step with the KV pools grown to N positions per slot (a pool
 copied per step instead of updated in place shows as a slower step).
@@ -147,43 +151,54 @@ class System:
         lfm2 = importlib.import_module(f"{pkg}.lfm2")
         drafter_module = importlib.import_module(f"{pkg}.lfm2.drafter")
         self.name = pkg
-        self.target = lfm2.open_target(args.model, dtype=args.dtype, max_lanes=max(args.lanes)).target
+        # Room for a second set of lanes behind a hole (`--slot-gap`).
+        max_lanes = 2 * max(args.lanes) + 1 if args.slot_gap else max(args.lanes)
+        self.target = lfm2.open_target(args.model, dtype=args.dtype, max_lanes=max_lanes).target
         self.drafters = {}
         if args.drafter:
             def load():
                 return drafter_module.load_drafter(args.drafter, self.target.model, self.target.config, dtype=args.dtype,
-                                                   max_lanes=max(args.lanes))
+                                                   max_lanes=max_lanes)
             self.drafters["draft"] = load()
             if args.chain_ops and getattr(self.drafters["draft"], "fused_chain", None) is not None:
                 self.drafters["draft-ops"] = load()
                 self.drafters["draft-ops"].fused_chain = None  # before its first proposal is traced
         self.taps = self.drafters["draft"].tap_layers if self.drafters else ()
+        self.opened = []  # (drafter name, or None for the target; its lanes)
 
-    def open(self, prompts: list[list[int]]) -> dict:
-        """Lanes that have read `prompts`; their plain step and drafting round."""
+    def open(self, prompts: list[list[int]], hole: bool = False) -> dict:
+        """Lanes that have read `prompts`; their plain step and drafting round. With
+        `hole`, a lane opened before them stays open and unread while they are timed, so
+        their slots follow the lanes already open with a gap."""
         target = self.target
-        self.slots = [target.open_lane() for _ in prompts]
-        self.dslots = {name: [drafter.open_lane() for _ in prompts] for name, drafter in self.drafters.items()}
+        holes = [target.open_lane()] if hole else []
+        slots = [target.open_lane() for _ in prompts]
+        self.opened.append((None, holes + slots))
+        dslots = {}
+        for name, drafter in self.drafters.items():
+            holes = [drafter.open_lane()] if hole else []
+            dslots[name] = [drafter.open_lane() for _ in prompts]
+            self.opened.append((name, holes + dslots[name]))
         last = []
-        for i, (slot, prompt) in enumerate(zip(self.slots, prompts)):
+        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
             logits, rows = target.prefill(slot, prompt, chunk=512, taps=self.taps)
             last.append(mx.argmax(logits))
             for name, drafter in self.drafters.items():
-                drafter.append([self.dslots[name][i]], [rows], [prompt])
+                drafter.append([dslots[name][i]], [rows], [prompt])
         # Read now, so that the prompts' graphs stay out of the first step's op count.
         mx.eval(last, target.state_arrays(), [d.state_arrays() for d in self.drafters.values()])
-        builds = {"plain": PlainSteps(target, self.slots, mx.stack(last).astype(mx.int32), self.taps)}
+        builds = {"plain": PlainSteps(target, slots, mx.stack(last).astype(mx.int32), self.taps)}
         width = len(self.taps) * target.config.hidden_size
         for name, drafter in self.drafters.items():
-            builds[name] = DraftRounds(drafter, self.dslots[name], [p[-1] for p in prompts], width, drafter.dtype)
+            builds[name] = DraftRounds(drafter, dslots[name], [p[-1] for p in prompts], width, drafter.dtype)
         return builds
 
     def close(self) -> None:
-        for slot in self.slots:
-            self.target.close_lane(slot)
-        for name, slots in self.dslots.items():
+        for name, slots in self.opened:
+            model = self.target if name is None else self.drafters[name]
             for slot in slots:
-                self.drafters[name].close_lane(slot)
+                model.close_lane(slot)
+        self.opened = []
 
 
 def run(args, saved=lambda result: None) -> dict:
@@ -197,10 +212,11 @@ def run(args, saved=lambda result: None) -> dict:
         prompts = [[int(t) for t in rng.integers(20, min(4000, vocab), args.context)] for _ in range(lanes)]
         steps, cell = {}, {}
         for system in systems:
-            for kind, build in system.open(prompts).items():
-                name = f"{system.name}:{kind}" if len(systems) > 1 else kind
-                cell[name] = {"ops": count_ops(build.build()), "turns": []}
-                steps[name] = build.pipelined if kind == "plain" else evaluated(build.build)
+            for hole in (False, True) if args.slot_gap else (False,):
+                for kind, build in system.open(prompts, hole).items():
+                    name = (f"{system.name}:{kind}" if len(systems) > 1 else kind) + ("@gap" if hole else "")
+                    cell[name] = {"ops": count_ops(build.build()), "turns": []}
+                    steps[name] = build.pipelined if kind == "plain" else evaluated(build.build)
         if args.peer:
             peer = PeerSteps(args.model, args.dtype, prompts)
             steps["peer"], cell["peer"] = peer.step, {"turns": []}
@@ -286,6 +302,8 @@ def main() -> None:
     p.add_argument("--chain-ops", action="store_true",
                    help="also time the drafting round with its greedy chain as MLX operations (draft-ops), where it "
                         "otherwise runs as one kernel (CUDA)")
+    p.add_argument("--slot-gap", action="store_true",
+                   help="also time each lane count in slots after a gap (@gap): slot ids as an array, not views")
     p.add_argument("--reserve", type=int, default=0, help="also time one lane with the KV pools grown to this many positions")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="step")
