@@ -179,7 +179,8 @@ class Engine:
         it. The CPU's kernels are built in: sampled lanes would only slow its start.
         What that traffic would teach (guard evidence, calibration, round costs,
         counters) goes to throwaway instances, and it counts in no total. Then every
-        steady shape runs once and the cost table is seeded (see lanes/warmup.py)."""
+        steady shape runs once and the cost table is seeded (see lanes/warmup.py), and the
+        buffers all that allocated go back to the backend."""
         lanes, vocab = self.config.max_streams, self.target.vocab_size
         rows = 2 * (self.rounds.proposals + 1) if self.drafter is not None else 4
         prompt = lambda i: [1 + (7 * i + j) % (vocab - 1) for j in range(8 + 3 * i)]
@@ -212,6 +213,8 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         profile(self.rounds, self.config.max_streams, prompt_chunk=self.config.prefill_chunk)
+        # The profile read prompts at every steady shape; an idle engine holds none of it.
+        mx.clear_cache()
 
     def run(self, stopping: threading.Event, wake: threading.Event) -> None:
         """The engine thread's loop: step until `stopping` is set and nothing is in flight

@@ -134,7 +134,13 @@ def _read_every_prompt_shape(runner: RoundRunner, max_lanes: int, prompt_chunk: 
     target = runner.target
     slots = [target.open_lane() for _ in range(max_lanes)]
     try:
+        previous = None
         for lanes, width in prompt_shapes(target, max_lanes, prompt_chunk):
+            if lanes != previous:
+                # Every shape's buffers are sizes of its own, which MLX keeps cached until
+                # told otherwise: all of them at once outgrew a GPU three warm-ups shared.
+                mx.clear_cache()
+                previous = lanes
             for taps in {(), runner.taps(runner.drafter is not None)}:
                 read = target.forward(slots[:lanes], [[1] * width] * lanes, logits="last", taps=taps, steady=True)
                 mx.eval(read.logits, *([read.taps] if taps else []), *target.state_arrays())

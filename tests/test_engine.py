@@ -139,6 +139,17 @@ def test_mlx_buffer_cache_is_handed_back_when_idle_not_as_each_lane_ends(dense_d
     assert len(calls) > 1 and calls[-1] == 0 and any(calls[:-1])
 
 
+def test_the_warm_up_hands_its_buffers_back(dense_dir, drafter_dir, solo):
+    """An engine that has warmed up and serves nothing holds no buffer cache: the warm-up's
+    profile reads prompts at every steady shape, and what it allocated would otherwise stay
+    cached until the first request's lanes end (on a shared GPU, beside other servers'
+    warm-ups, that ran out of memory)."""
+    engine = tiny_engine(dense_dir, drafter_dir, 16, sequences(solo), timing=None)
+    mx.clear_cache()
+    engine.warm_up()
+    assert mx.get_cache_memory() == 0
+
+
 def test_a_long_prompt_is_read_in_slices_while_lanes_decode(dense_dir):
     chunk = 64
     engine = make_engine(dense_dir, prefill_chunk=chunk)
@@ -422,3 +433,32 @@ def test_a_steady_warm_up_reads_every_steady_prompt_shape_into_fresh_lanes(dense
     shapes = prompt_shapes(engine.target, 3, 200)
     assert shapes == [(n, w) for n in (1, 2, 3) for w in (1, 2, 4, 8, 16, 32, 64)] + [(1, 128), (1, 192), (1, 256)]
     assert reads == {(n, w, taps, 0) for n, w in shapes for taps in (False, True)}
+
+
+def test_the_steady_warm_up_does_not_keep_every_prompt_shapes_buffers_cached(dense_dir, drafter_dir, monkeypatch):
+    # Each steady prompt shape allocates buffers of sizes of its own; kept cached all at
+    # once (MLX's CUDA cache is bounded by the device's memory alone) they outgrew a GPU
+    # that three servers warmed up on together.
+    engine = make_engine(dense_dir, drafter_dir, lanes=16, timed=False, steady_shapes=True)
+    forward = engine.target.forward
+
+    def peak_cache() -> int:
+        cached = [0]
+
+        def watched(lanes, tokens, **kwargs):
+            if kwargs.get("steady"):
+                cached[0] = max(cached[0], mx.get_cache_memory())
+            return forward(lanes, tokens, **kwargs)
+
+        monkeypatch.setattr(engine.target, "forward", watched)
+        mx.clear_cache()
+        profile(engine.rounds, 16, prompt_chunk=256)
+        return cached[0]
+
+    limit = mx.set_cache_limit(1 << 32)
+    try:
+        bounded = peak_cache()
+        monkeypatch.setattr(mx, "clear_cache", lambda: None)
+        assert bounded < peak_cache() / 2
+    finally:
+        mx.set_cache_limit(limit)
