@@ -2,7 +2,7 @@
 setting in a process of its own, the processes taking turns on the same machine.
 
     python -m bench.backend_settings --model DIR --drafter DIR --out DIR
-        [--settings 'default;MLX_USE_CUDA_GRAPHS=0;code=.device/code-e8021da'] [--streams 1,16]
+        [--settings 'default;MLX_USE_CUDA_GRAPHS=1;code=.device/code-e8021da'] [--streams 1,16]
         [--gen-tokens 1024] [--alternations 5] [--name backend-settings]
 
 MLX's CUDA backend reads its settings from the environment once, when it first runs, so
@@ -14,8 +14,9 @@ backend hands kernels to the device: it records them into CUDA graphs of up to
 executable of the same topology and launches it. CUPTI counts of the engine's rounds put
 cudaGraphLaunch and cudaGraphExecUpdate at about half of the host's CUDA API time
 (`gpu/session16/kernels-dc633b9/`). `MLX_USE_CUDA_GRAPHS=0` launches each kernel
-directly instead; other sizes of graph trade launches against updates. The settings
-tried by default are DEFAULT_SETTINGS.
+directly instead, and since session 33 is laneserve's default (families/backend.py);
+other sizes of graph trade launches against updates. The settings tried by default are
+DEFAULT_SETTINGS.
 
 A setting is `default` (the environment as it is, with families' backend defaults) or
 `NAME=VALUE[,NAME=VALUE...]` of `MLX_*` variables, given to its process only, and of
@@ -68,12 +69,13 @@ from bench.provenance import markdown_line, provenance, spread, write_result
 
 ENGINES = ("plain", "drafted")
 CONTROL = "control"  # the reference's setting, in a second process
-# The reference; kernels launched one by one; graphs of up to 200 operations, whatever
-# their inputs (a 2.6B step reads about 2.6G elements: 1000 would commit a graph three
-# times a step besides the operation count). Three, so that a run of the 2.6B shape
-# (about 3 minutes to start the processes, 15 s a setting an alternation) fits one
-# 10-minute call of the GPU machine.
-DEFAULT_SETTINGS = ("default", "MLX_USE_CUDA_GRAPHS=0", "MLX_MAX_OPS_PER_BUFFER=200,MLX_MAX_MB_PER_BUFFER=1000000")
+# The reference (kernels launched one by one); MLX's own default, CUDA graphs; graphs of
+# up to 200 operations, whatever their inputs (a 2.6B step reads about 2.6G elements:
+# 1000 would commit a graph three times a step besides the operation count). Three, so
+# that a run of the 2.6B shape (about 3 minutes to start the processes, 15 s a setting
+# an alternation) fits one 10-minute call of the GPU machine.
+DEFAULT_SETTINGS = ("default", "MLX_USE_CUDA_GRAPHS=1",
+                    "MLX_USE_CUDA_GRAPHS=1,MLX_MAX_OPS_PER_BUFFER=200,MLX_MAX_MB_PER_BUFFER=1000000")
 
 
 @dataclass(frozen=True)

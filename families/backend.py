@@ -18,6 +18,13 @@ BACKEND_DEFAULTS = {
     # shapes and topologies for as long as it runs (prompt lengths, lane counts, verify
     # widths), so that fuse would end it one day mid-request; evicting is all it needs.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    # Kernels launched one by one rather than recorded into CUDA graphs: on an H100 at 16
+    # lanes drafted rounds ran 1.18x as fast without graphs in two runs side by side,
+    # plain rounds 0.97x and 1.06x; at one lane 0.97x plain and 1.01x drafted
+    # (bench/results/gpu/session33/). A drafted round is several short evaluations, each
+    # recorded into graphs before it runs, which is where the time likely went (a reading
+    # of the backend, not profiled).
+    "MLX_USE_CUDA_GRAPHS": "0",
 }
 
 

@@ -17,13 +17,18 @@ def test_missing_settings_get_their_defaults():
 
 
 def test_a_value_already_set_wins():
-    environ = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    environ = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1", "MLX_USE_CUDA_GRAPHS": "1"}
     assert apply_backend_defaults(environ) == {}
-    assert environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "1"
+    assert environ == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1", "MLX_USE_CUDA_GRAPHS": "1"}
+
+
+def test_cuda_graphs_are_off_unless_asked_for():
+    environ = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
+    assert apply_backend_defaults(environ) == {"MLX_USE_CUDA_GRAPHS": "0"}
 
 
 def test_importing_families_applies_them_before_anything_runs():
     env = {k: v for k, v in os.environ.items() if k not in BACKEND_DEFAULTS}
-    script = "import os, families; print(os.environ.get('MLX_ENABLE_CACHE_THRASHING_CHECK'))"
+    script = "import os, families; print({k: os.environ.get(k) for k in %r})" % sorted(BACKEND_DEFAULTS)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == BACKEND_DEFAULTS["MLX_ENABLE_CACHE_THRASHING_CHECK"]
+    assert out.strip() == str(dict(sorted(BACKEND_DEFAULTS.items())))
