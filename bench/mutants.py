@@ -393,6 +393,22 @@ MUTANTS: tuple[Mutant, ...] = (
               "            pool.shrink(longest)\n"),),
         ("tests/test_overlap.py",),
     ),
+    Mutant(
+        "warm-up-keeps-prompt-shape-buffers",
+        "the warm-up's prompt-shape profile leaves every shape's buffers in MLX's cache, and an engine that has "
+        "warmed up holds them until its first request's lanes end",
+        (Edit("lanes/warmup.py", "                mx.clear_cache()\n                previous = lanes\n",
+              "                previous = lanes\n"),
+         Edit("lanes/engine.py", "        # The profile read prompts at every steady shape; an idle engine holds none of it.\n"
+              "        mx.clear_cache()\n", "")),
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
+        "cuda-graphs-on-by-default",
+        "MLX records kernels into CUDA graphs unless told otherwise, as MLX itself defaults",
+        (Edit("families/backend.py", '    "MLX_USE_CUDA_GRAPHS": "0",\n', ""),),
+        ("tests/test_backend.py",),
+    ),
 )
 
 
