@@ -4,9 +4,10 @@
     laneserve make-tiny --kind lfm2|lfm2_moe|dspark --out DIR --seed N ...
 
 Exit status: 0 done; 2 an error the user can act on (a bad flag, a malformed checkpoint,
-a prompt the model cannot take, a file or port the system refuses), printed as one line
-naming the problem; 70 (sysexits' EX_SOFTWARE) any other exception, which is a bug in
-laneserve: one line saying so, and its traceback under --log-level DEBUG.
+a prompt the model cannot take, a file or port the system refuses, a device or machine
+that runs out of memory), printed as one line naming the problem; 70 (sysexits'
+EX_SOFTWARE) any other exception, which is a bug in laneserve: one line saying so, and
+its traceback under --log-level DEBUG.
 """
 
 from __future__ import annotations
@@ -49,6 +50,19 @@ DEFAULT_PROMPT_LOOKUP = 2
 USER_ERRORS = (UsageError, CheckpointError, RequestError, ServiceError, OSError)
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits' EX_SOFTWARE
+# How MLX's allocators say they found no memory (CUDA, Metal's two, the CPU's), which they
+# raise as RuntimeError like a bug, wherever the allocation happened; and Python's own, as
+# an engine thread reports it ("MemoryError: ...").
+OUT_OF_MEMORY = ("out of memory", "insufficient memory", "unable to allocate", "greater than the maximum allowed buffer size",
+                 "memoryerror")
+LESS_MEMORY = "a smaller --dtype or model (serving: a lower --max-streams) needs less"
+
+
+def ran_out_of_memory(error: BaseException | str | None) -> bool:
+    """Whether an exception, or an error's message, says an allocator found no memory."""
+    if isinstance(error, MemoryError):
+        return True
+    return error is not None and any(words in str(error).lower() for words in OUT_OF_MEMORY)
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -293,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"laneserve: error: {e}", file=sys.stderr)
         return USER_ERROR
     except Exception as e:
+        if ran_out_of_memory(e):
+            print(f"laneserve: error: out of memory ({type(e).__name__}: {e}); {LESS_MEMORY}", file=sys.stderr)
+            return USER_ERROR
         return report_bug(e, with_traceback=args.log_level.upper() == "DEBUG")
 
 

@@ -157,11 +157,16 @@ async def serve(args, config: ServerConfig, build_engine=Engine) -> int:
     server.attach(serving)
     while not stop.is_set() and not serving.client.ready:
         if not serving.client.health().alive:
-            from .cli import INTERNAL_ERROR
+            from .cli import INTERNAL_ERROR, LESS_MEMORY, USER_ERROR, ran_out_of_memory
 
-            log.error("the engine thread stopped while warming up: %s", serving.client.health().error)
+            error = serving.client.health().error
+            out_of_memory = ran_out_of_memory(error)
+            if out_of_memory:
+                log.error("the engine ran out of memory while warming up (%s); %s", error, LESS_MEMORY)
+            else:
+                log.error("the engine thread stopped while warming up: %s", error)
             await server.close()
-            return INTERNAL_ERROR
+            return USER_ERROR if out_of_memory else INTERNAL_ERROR
         await asyncio.sleep(0.05)
     if not stop.is_set():
         log.info("serving on %s", address)

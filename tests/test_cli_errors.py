@@ -20,6 +20,7 @@ import families.lfm2.tiny as tiny
 from daemon.cli import INTERNAL_ERROR, main
 from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
+from lanes.engine import Engine
 from lanes.round import RoundRunner
 
 # What Python makes of the argv bytes ff fe, which are not UTF-8 (surrogate escapes).
@@ -158,6 +159,48 @@ def test_an_engine_fault_is_reported_as_a_bug(dense_dir, capsys, monkeypatch):
     monkeypatch.setattr(RoundRunner, "prefill", broken)
     reported_as_a_bug(["generate", "--model", dense_dir, "--prompt", "hi"], capsys,
                       "the engine failed the request", "RuntimeError: boom in the engine thread")
+
+
+# As MLX's allocators word it on CUDA, Metal and the CPU.
+OUT_OF_MEMORY = ["cudaMallocAsync(&data, size, stream) failed: out of memory",
+                 "[METAL] Command buffer execution failed: Insufficient Memory",
+                 "[malloc_or_wait] Unable to allocate 4294967296 bytes."]
+
+
+@pytest.mark.parametrize("message", OUT_OF_MEMORY)
+def test_running_out_of_memory_while_loading_is_not_reported_as_a_bug(dense_dir, capsys, monkeypatch, message):
+    def exhausted(raw, cfg):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(loader, "canonical_names", exhausted)
+    refused(["generate", "--model", dense_dir, "--prompt", "hi"], capsys, "out of memory", message, "--dtype")
+
+
+def test_running_out_of_memory_in_the_engine_is_not_reported_as_a_bug(dense_dir, capsys, monkeypatch):
+    def exhausted(self, lanes, chunks):
+        raise RuntimeError(OUT_OF_MEMORY[0])
+
+    monkeypatch.setattr(RoundRunner, "prefill", exhausted)
+    refused(["generate", "--model", dense_dir, "--prompt", "hi"], capsys, "out of memory", OUT_OF_MEMORY[0])
+
+
+def test_a_server_whose_warm_up_runs_out_of_memory_says_so_and_exits_2(dense_dir, drafter_dir, caplog, monkeypatch):
+    def exhausted(self):
+        raise RuntimeError(OUT_OF_MEMORY[0])
+
+    monkeypatch.setattr(Engine, "warm_up", exhausted)
+    assert main(["serve", "--model", str(dense_dir), "--draft-model", str(drafter_dir), "--port", "0"]) == 2
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("ran out of memory while warming up" in line and "--max-streams" in line for line in said), said
+
+
+def test_a_server_whose_warm_up_fails_otherwise_reports_a_bug(dense_dir, drafter_dir, caplog, monkeypatch):
+    def broken(self):
+        raise RuntimeError("boom while warming up")
+
+    monkeypatch.setattr(Engine, "warm_up", broken)
+    assert main(["serve", "--model", str(dense_dir), "--draft-model", str(drafter_dir), "--port", "0"]) == INTERNAL_ERROR
+    assert any("stopped while warming up: RuntimeError: boom" in r.getMessage() for r in caplog.records)
 
 
 # --- generate: the checkpoints ----------------------------------------------------------------
