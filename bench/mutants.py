@@ -409,6 +409,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("families/backend.py", '    "MLX_USE_CUDA_GRAPHS": "0",\n', ""),),
         ("tests/test_backend.py",),
     ),
+    Mutant(
+        "out-of-memory-reported-as-a-bug",
+        "an allocator's out-of-memory error reads as a bug in laneserve (status 70), as any other RuntimeError",
+        (Edit("daemon/cli.py", "    if isinstance(error, MemoryError):\n        return True\n"
+              "    return error is not None and any(words in str(error).lower() for words in OUT_OF_MEMORY)\n",
+              "    return isinstance(error, MemoryError)\n"),),
+        ("tests/test_cli_errors.py",),
+    ),
 )
 
 
