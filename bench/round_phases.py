@@ -20,7 +20,8 @@ second, where the engine idled, left out): what is left is the host's time outsi
 rounds, reading prompts above all (`RoundRunner._now`). `--between` keeps the rounds
 logged within a window of the day (a cell of a benchmark). `--tails LANES` reads a
 `bench_engine --log` (stamped since 4fe8f30): each drafting run at LANES streams, the wall
-time and tokens while every lane decodes and in its tail, as lanes end one by one.
+time and tokens while every lane decodes and in its tail, as lanes end one by one, and
+those runs' drafted rounds by part (full or tail), rows per lane and first of a shape.
 """
 
 from __future__ import annotations
@@ -66,13 +67,12 @@ def rounds(lines, between: tuple[str, str] | None = None) -> list[dict]:
     return found
 
 
-def tails(found: list[dict], lanes: int) -> list[dict]:
+def drafting_runs(found: list[dict], lanes: int) -> list[list[dict]]:
     """The drafting runs of a `bench_engine --log` at `lanes` streams, each from its first
     round of `lanes` lanes that is not plain to the plain engine's next round of `lanes`
-    lanes (its lanes end in one round, so it has no tail): the wall time and tokens of
-    the run's rounds while every lane decodes, and of its tail after, where lanes that
-    drifted apart end one by one. Needs a stamped log. The drafting engine's warm-up, whose
-    rehearsal rounds are drafted rounds of every lane count, reads as a run of its own."""
+    lanes (its lanes end in one round, so it has no tail). The drafting engine's warm-up,
+    whose rehearsal rounds are drafted rounds of every lane count, reads as a run of its
+    own, the first."""
     runs, current = [], None
     for r in found:
         full = int(r["lanes"]) == lanes
@@ -84,16 +84,43 @@ def tails(found: list[dict], lanes: int) -> list[dict]:
             current = None
         else:
             current.append(r)
+    return runs
+
+
+def last_full(run: list[dict], lanes: int) -> int:
+    """The index of a run's last round of every lane: its tail follows."""
+    return max(i for i, r in enumerate(run) if int(r["lanes"]) == lanes)
+
+
+def tails(found: list[dict], lanes: int) -> list[dict]:
+    """Each drafting run's wall time and tokens while every lane decodes, and in its tail
+    after, where lanes that drifted apart end one by one. Needs a stamped log."""
     out = []
-    for run in runs:
-        last_full = max(i for i, r in enumerate(run) if int(r["lanes"]) == lanes)
+    for run in drafting_runs(found, lanes):
+        end = last_full(run, lanes)
         # A round's interval is its wall time (its own seconds for the first, or after an idle engine).
         wall = [r["interval"] if i and r.get("interval", IDLE_SECONDS + 1) <= IDLE_SECONDS else r["seconds"]
                 for i, r in enumerate(run)]
-        out.append({"full_seconds": sum(wall[: last_full + 1]), "full_tokens": sum(r["emitted"] for r in run[: last_full + 1]),
-                    "tail_seconds": sum(wall[last_full + 1:]), "tail_tokens": sum(r["emitted"] for r in run[last_full + 1:]),
-                    "tail_rounds": {kind: sum(1 for r in run[last_full + 1:] if r["kind"] == kind) for kind in ("drafted", "probe", "plain")}})
+        out.append({"full_seconds": sum(wall[: end + 1]), "full_tokens": sum(r["emitted"] for r in run[: end + 1]),
+                    "tail_seconds": sum(wall[end + 1:]), "tail_tokens": sum(r["emitted"] for r in run[end + 1:]),
+                    "tail_rounds": {kind: sum(1 for r in run[end + 1:] if r["kind"] == kind) for kind in ("drafted", "probe", "plain")}})
     return out
+
+
+def drafted_by_width(found: list[dict], lanes: int) -> list[dict]:
+    """The drafted rounds of every drafting run but the first (the warm-up's), grouped by
+    where they ran (while every lane decodes, or in the tail), their rows per lane, and
+    whether they were the first of their shape: the rounds and their median seconds. So
+    a slow tail can be told from a wider verify or from shapes met for the first time."""
+    groups = defaultdict(list)
+    for run in drafting_runs(found, lanes)[1:]:
+        end = last_full(run, lanes)
+        for i, r in enumerate(run):
+            if r["kind"] == "drafted":
+                groups[("full" if i <= end else "tail", int(r["rows"] // r["lanes"]), bool(r.get("first_of_shape")))].append(r)
+    return [{"part": part, "rows_per_lane": width, "first_of_shape": first, "rounds": len(group),
+             "median_ms": 1e3 * statistics.median(r["seconds"] for r in group)}
+            for (part, width, first), group in sorted(groups.items())]
 
 
 def summary(found: list[dict]) -> list[dict]:
@@ -135,7 +162,12 @@ def markdown(result: dict, min_rounds: int) -> str:
                              f"{t['tail_seconds'] / (t['full_seconds'] + t['tail_seconds']):.0%} "
                              f"[{t['tail_tokens'] / max(t['full_tokens'] + t['tail_tokens'], 1):.0%}] | "
                              f"{t['tail_rounds']['drafted']} / {t['tail_rounds']['probe']} / {t['tail_rounds']['plain']} |"
-                             for i, t in enumerate(result["tails"], 1)]) + "\n"
+                             for i, t in enumerate(result["tails"], 1)]
+                          + ["", "Their drafted rounds (runs 2 on) by where they ran, rows per lane and whether first of "
+                             "their shape:", "", "| part | rows per lane | first of shape | rounds | median ms |",
+                             "|---|---:|---|---:|---:|"]
+                          + [f"| {w['part']} | {w['rows_per_lane']} | {'yes' if w['first_of_shape'] else 'no'} | {w['rounds']} "
+                             f"| {w['median_ms']:.2f} |" for w in result["drafted_by_width"]]) + "\n"
     lines = [markdown_line(result), "",
              f"Rounds of `{result['log']}`{window}, groups of at least {min_rounds}; medians per round, ms per token over all of "
              "a group's rounds" + ("; interval: the wall time since the round logged before it, 'in rounds' the share of "
@@ -171,7 +203,8 @@ def main() -> None:
                          if args.between else " (a lane-core log written with --log?)"))
     result = {**provenance(), "log": str(path), "between": args.between, "groups": summary(found)}
     if args.tails:
-        result |= {"tail_lanes": args.tails, "tails": tails(found, args.tails)}
+        result |= {"tail_lanes": args.tails, "tails": tails(found, args.tails),
+                   "drafted_by_width": drafted_by_width(found, args.tails)}
     name = args.name or path.name.split(".")[0] + "-phases"
     write_result(args.out, name, result, markdown(result, args.min_rounds))
     print(markdown(result, args.min_rounds))

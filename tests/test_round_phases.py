@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from bench.round_phases import rounds, summary, tails
+from bench.round_phases import drafted_by_width, rounds, summary, tails
 from lanes.lane import Request
 from lanes.round import DRAFTED_PHASES
 from tests.priced import tiny_engine
@@ -73,3 +73,19 @@ def test_a_bench_engine_log_splits_each_drafting_run_into_its_full_rounds_and_it
     assert run["full_seconds"] == pytest.approx(0.008 + 0.010 + 0.010)  # the first round's own seconds, then intervals
     assert run["tail_seconds"] == pytest.approx(0.015 + 0.015)
     assert run["tail_rounds"] == {"drafted": 1, "probe": 0, "plain": 1}
+
+
+def test_drafted_rounds_of_the_runs_after_the_warm_up_are_told_apart_by_part_width_and_first_of_shape():
+    def line(ms: int, kind: str, lanes: int, rows: int, seconds: float, first: bool = False) -> str:
+        return (f"2026-12-07 09:25:10,{ms:03d} laneserve.round DEBUG round kind={kind} lanes={lanes} rows={rows} "
+                f"emitted={lanes} seconds={seconds:.6f} draft_seconds=0.000000 drafting_lanes={lanes} context=300"
+                + (" first_of_shape=1" if first else ""))
+
+    warm_up = [line(0, "drafted", 4, 40, 0.5, True), line(10, "drafted", 2, 20, 0.4, True), line(20, "plain", 4, 4, 0.002)]
+    run = [line(30, "drafted", 4, 32, 0.008), line(40, "drafted", 4, 32, 0.010), line(50, "drafted", 4, 40, 0.012),
+           line(60, "drafted", 3, 24, 0.016, True), line(70, "drafted", 3, 24, 0.014), line(80, "plain", 2, 2, 0.003),
+           line(90, "plain", 4, 4, 0.002)]
+    table = drafted_by_width(rounds(warm_up + run), 4)
+    assert [(w["part"], w["rows_per_lane"], w["first_of_shape"], w["rounds"]) for w in table] == [
+        ("full", 8, False, 2), ("full", 10, False, 1), ("tail", 8, False, 1), ("tail", 8, True, 1)]
+    assert table[0]["median_ms"] == pytest.approx(9.0) and table[3]["median_ms"] == pytest.approx(16.0)
