@@ -177,14 +177,15 @@ class EngineCollector:
 
         yield by("guard_drafting", "1 where the guard drafts in this (lanes, context) band, else 0.", "band",
                  s["guard_drafting"], GaugeMetricFamily)
-        speed = GaugeMetricFamily(PREFIX + "guard_tokens_per_second",
-                                  "Realised tokens per second of round time, per band and choice.",
-                                  labels=["model_name", "band", "choice"])
+        pace = GaugeMetricFamily(PREFIX + "guard_pace",
+                                 "Realised pace against plain decoding per band and choice: the seconds plain rounds "
+                                 "of the same lanes would take for the tokens, per second of round time (plain near 1).",
+                                 labels=["model_name", "band", "choice"])
         for band, entry in sorted(s["guard"].items()):
             for choice in ("drafted", "plain"):
-                if entry.get(f"{choice}_tps") is not None:
-                    speed.add_metric([m, band, choice], entry[f"{choice}_tps"])
-        yield speed
+                if entry.get(f"{choice}_pace") is not None:
+                    pace.add_metric([m, band, choice], entry[f"{choice}_pace"])
+        yield pace
         yield gauge("kv_bytes_in_use", "Bytes of KV and drafter caches held by running lanes.", s["kv_bytes_in_use"])
         yield gauge("kv_bytes_reserved", "Bytes of KV and drafter cache pools allocated.", s["kv_bytes_reserved"])
 

@@ -139,6 +139,16 @@ class CostTable:
         band = _nearest(self._round_seconds, Band.of(lanes, context_tokens))
         return cost_curve(self._round_seconds[band])
 
+    def plain_estimate(self, lanes: int, context_tokens: int) -> float:
+        """Estimated seconds of a plain round of `lanes` lanes (one row each), from the
+        nearest band that has measured a round of no more rows. A band that has run only
+        wider verifies would price it flat at its narrowest verify, which on the CPU costs
+        several plain rows: the guard, pacing drafted rounds against this, would read them
+        faster than they are until a plain round ran there."""
+        fitting = {band: by_rows for band, by_rows in self._round_seconds.items() if min(by_rows) <= lanes}
+        band = _nearest(fitting or self._round_seconds, Band.of(lanes, context_tokens))
+        return cost_curve(self._round_seconds[band])(lanes)
+
     def _smoothed(self, previous: float | None, seconds: float) -> float:
         if previous is None:
             return seconds

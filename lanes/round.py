@@ -366,13 +366,13 @@ class RoundRunner:
         report.decision = decision
         report.first_of_shape = self._first_of_shape(report)
         evidence = not (report.first_of_shape or report.behind_prompt)
-        if decision is not None:
-            if evidence:
-                self.guard.record(decision, report.seconds, report.emitted)
-            if decision.probe:
-                report.kind = "probe"
         if evidence:
             self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
+        if decision is not None:
+            if evidence:
+                self.guard.record(decision, report.seconds, self._plain_seconds(report, context))
+            if decision.probe:
+                report.kind = "probe"
         self.counters.record(report)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round kind=%s lanes=%d rows=%d emitted=%d seconds=%.6f draft_seconds=%.6f drafting_lanes=%d context=%d%s%s%s",
@@ -380,6 +380,12 @@ class RoundRunner:
                       report.drafting_lanes, context,
                       "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"),
                       " first_of_shape=1" if report.first_of_shape else "", " behind_prompt=1" if report.behind_prompt else "")
+
+    def _plain_seconds(self, report: RoundReport, context: int) -> float:
+        """What plain rounds of the report's lanes would take to emit its tokens, from the
+        cost table (which holds this round by now): the guard paces every round against
+        plain at its own lane count (lanes/guard.py)."""
+        return report.emitted * self.costs.plain_estimate(report.lanes, context) / report.lanes
 
     def _first_of_shape(self, report: RoundReport) -> bool:
         """Whether `report` is the first round of its kind, lanes and rows. A shape's first

@@ -44,6 +44,9 @@ class FlatCosts(CostTable):
     def estimate(self, rows: int, lanes: int, context_tokens: int) -> float:
         return 1.0
 
+    def plain_estimate(self, lanes: int, context_tokens: int) -> float:
+        return 1.0
+
 
 def price_without_timing(engine) -> None:
     engine.rounds.guard = AlwaysDraft()

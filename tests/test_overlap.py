@@ -23,7 +23,7 @@ from lanes.protocols import DeviceLengths
 from lanes.round import DraftedDispatch, RoundRunner
 from lanes.sampling import SamplingParams, noise_key, noise_keys_on_device
 from lanes.verify import accepted_on_device
-from tests.priced import EveryThirdPlain, tiny_engine
+from tests.priced import EveryThirdPlain, FlatCosts, tiny_engine
 from tests.test_attention_kernel import emulated_pool_attention
 from tests.test_conv_kernel import emulated_gated_conv, emulated_kept_states
 
@@ -539,3 +539,30 @@ def test_the_first_round_of_each_shape_is_not_timed_as_evidence(steady, dense_di
     assert len(guarded) == sum(1 for r in reports if r.decision is not None and not r.first_of_shape)
     assert len(costed) == sum(1 for r in reports if not r.first_of_shape)
     assert any(firsts)
+
+
+class PlainCostsByLanes(FlatCosts):
+    """Verifies priced flat; a plain round of L lanes costs (1 + L) ms."""
+
+    def plain_estimate(self, lanes: int, context_tokens: int) -> float:
+        return 0.001 * (1 + lanes)
+
+
+def test_the_guard_is_fed_each_rounds_tokens_at_plain_rounds_pace_for_its_lanes(dense_dir, drafter_dir, plain):
+    # A band holds rounds of several lane counts: the guard paces each against plain rounds
+    # of its own lanes (lanes/guard.py), so what it is fed for a round is its tokens at the
+    # cost table's plain seconds per lane for that many lanes.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=6)
+    runner = engine.rounds
+    runner.guard, runner.costs = EveryThirdPlain(), PlainCostsByLanes()
+    fed, paired = [], []
+    record = runner.counters.record
+    runner.guard.record = lambda decision, seconds, plain_seconds: fed.append((seconds, plain_seconds))
+    runner.counters.record = lambda report: (paired.append((report, fed.pop() if fed else None)), record(report))
+    done = engine.generate([Request(p, 12 + 6 * i) for i, p in enumerate(PROMPTS[:6])])
+    assert [d.token_ids for d in done] == [t[: 12 + 6 * i] for i, t in enumerate(plain[:6])]
+    checked = [(report, got) for report, got in paired if got is not None]
+    for report, (seconds, plain_seconds) in checked:
+        assert seconds == report.seconds
+        assert plain_seconds == pytest.approx(report.emitted * 0.001 * (1 + report.lanes) / report.lanes)
+    assert {r.lanes for r, _ in checked} >= {2, 6} and {r.kind for r, _ in checked} >= {"plain", "drafted"}

@@ -110,6 +110,21 @@ def test_cost_table_borrows_the_nearest_band_preferring_larger():
     assert table.estimate(2, 16, 60_000) == 90.0
 
 
+def test_a_plain_round_is_priced_from_the_nearest_band_that_ran_one_as_narrow():
+    # A band that has verified only 9-row windows (10 ms) has not measured a plain round of
+    # 2 lanes; its neighbour of 1 lane at the same context has measured 1 and 2 rows.
+    table = CostTable(seeds=[(1, 1, 1000, 2.0), (2, 1, 1000, 3.0), (18, 2, 1000, 10.0)])
+    assert table.estimate(2, 2, 1000) == 10.0  # the band's own curve, flat below its narrowest verify
+    assert table.plain_estimate(2, 1000) == 3.0
+    table.observe(2, 2, 1000, 4.0)  # once the band runs one, its own measurement prices it
+    assert table.plain_estimate(2, 1000) == 4.0
+    assert table.plain_estimate(3, 1000) == pytest.approx(4.0 + (3 - 2) * (10.0 - 4.0) / (18 - 2))
+    # With no band as narrow, the nearest band's curve as for any estimate.
+    assert CostTable(seeds=[(9, 1, 1000, 5.0)]).plain_estimate(1, 1000) == 5.0
+    with pytest.raises(NoCostData):
+        CostTable().plain_estimate(1, 1000)
+
+
 def test_empty_cost_table_says_so():
     with pytest.raises(NoCostData):
         CostTable().estimate(1, 1, 1000)
