@@ -44,20 +44,16 @@ class ChargedGuard(DraftGuard):
         self.charged, self.tokens = 0.0, 0
         self.rounds = {False: 0, True: 0}
 
-    def record(self, decision, round_seconds, plain_seconds) -> None:
-        # FlatVerifyCosts prices a plain round of the one lane at 1 s, so the runner's
-        # plain seconds count the round's tokens; at the charged plain cost they are
-        # that many plain rounds' seconds.
-        tokens = round(plain_seconds)
+    def record(self, decision, round_seconds, emitted_tokens) -> None:
         seconds = self.costs[decision.draft]
         self.charged += seconds
-        self.tokens += tokens
+        self.tokens += emitted_tokens
         self.rounds[decision.draft] += 1
-        super().record(decision, seconds, tokens * self.costs[False])
+        super().record(decision, seconds, emitted_tokens)
 
 
 class FlatVerifyCosts(CostTable):
-    """A verify costs the same at any depth (1 s); this machine's clocks teach it nothing."""
+    """A verify costs the same at any depth; this machine's clocks teach it nothing."""
 
     def observe(self, rows: int, lanes: int, context_tokens: int, seconds: float) -> None:
         pass

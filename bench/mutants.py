@@ -258,22 +258,22 @@ MUTANTS: tuple[Mutant, ...] = (
         "guard-far-loser-charged-its-loss",
         "a drafted probe is charged what it lost however far drafting lags: at long contexts, where a probe keeps "
         "a quarter of plain's throughput, probes spend the whole budget",
-        (Edit("lanes/guard.py", "    return lost * max(1.0, FAR_LOSER * plain_pace / drafted_pace) if drafted else lost\n",
+        (Edit("lanes/guard.py", "    return lost * max(1.0, FAR_LOSER * plain_tps / drafted_tps) if drafted else lost\n",
               "    return lost\n"),),
         ("tests/test_guard.py",),
     ),
     Mutant(
-        "guard-fed-tokens-not-plain-pace",
-        "the guard is fed a round's tokens rather than the seconds plain rounds of its lanes would take for them: "
-        "a band's rounds of few lanes then read slower than its rounds of many, whatever each choice does",
-        (Edit("lanes/round.py", "        return report.emitted * self.costs.plain_estimate(report.lanes, context) / report.lanes\n",
+        "guard-fed-tokens-uncounted",
+        "the guard is fed a round's tokens as emitted, not counted at its band's smallest lane count: a band's "
+        "rounds of few lanes then read slower than its rounds of many, whatever each choice does",
+        (Edit("lanes/round.py", "        return report.emitted * token_seconds(report.lanes) / token_seconds(floor)\n",
               "        return report.emitted\n"),),
         ("tests/test_overlap.py",),
     ),
     Mutant(
         "plain-round-priced-as-narrowest-verify",
         "a plain round is priced from its own band's curve even where the band has run only wider verifies, so "
-        "on the CPU drafted rounds read faster than they are until a plain round runs there",
+        "on the CPU the guard counts a band's tokens by a verify's cost until plain rounds of each lane count run there",
         (Edit("lanes/pricing.py", "        fitting = {band: by_rows for band, by_rows in self._round_seconds.items() if min(by_rows) <= lanes}\n",
               "        fitting = {}\n"),),
         ("tests/test_pricing.py",),

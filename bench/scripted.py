@@ -34,7 +34,7 @@ class AlwaysDraft:
     def decide(self, lanes: int, context_tokens: int) -> GuardDecision:
         return GuardDecision(True, False, Band.of(lanes, context_tokens), None, None, "always (measurement)")
 
-    def record(self, decision, round_seconds, plain_seconds) -> None:
+    def record(self, decision, round_seconds, emitted_tokens) -> None:
         pass
 
     def snapshot(self) -> dict:

@@ -177,15 +177,16 @@ class EngineCollector:
 
         yield by("guard_drafting", "1 where the guard drafts in this (lanes, context) band, else 0.", "band",
                  s["guard_drafting"], GaugeMetricFamily)
-        pace = GaugeMetricFamily(PREFIX + "guard_pace",
-                                 "Realised pace against plain decoding per band and choice: the seconds plain rounds "
-                                 "of the same lanes would take for the tokens, per second of round time (plain near 1).",
-                                 labels=["model_name", "band", "choice"])
+        speed = GaugeMetricFamily(PREFIX + "guard_tokens_per_second",
+                                  "Realised tokens per second of round time, per band and choice; a round's tokens "
+                                  "counted at the band's smallest lane count (plain rounds of L lanes weighed against "
+                                  "plain rounds of that many).",
+                                  labels=["model_name", "band", "choice"])
         for band, entry in sorted(s["guard"].items()):
             for choice in ("drafted", "plain"):
-                if entry.get(f"{choice}_pace") is not None:
-                    pace.add_metric([m, band, choice], entry[f"{choice}_pace"])
-        yield pace
+                if entry.get(f"{choice}_tps") is not None:
+                    speed.add_metric([m, band, choice], entry[f"{choice}_tps"])
+        yield speed
         yield gauge("kv_bytes_in_use", "Bytes of KV and drafter caches held by running lanes.", s["kv_bytes_in_use"])
         yield gauge("kv_bytes_reserved", "Bytes of KV and drafter cache pools allocated.", s["kv_bytes_reserved"])
 

@@ -2,20 +2,26 @@
 
 Drafting costs a drafter forward and wider verifies; whether it pays depends on how
 many lanes share the round and how long their contexts are, so the guard keeps its
-evidence per (lanes band, context band) and compares what rounds actually delivered,
-as a pace against plain decoding: the seconds plain rounds of the same lanes would take
-to emit a round's tokens, per second the round took (the caller's `plain_seconds`, from
-its cost table). Plain rounds run near a pace of 1; drafted rounds at their speedup.
+evidence per (lanes band, context band) and compares what rounds actually delivered:
+tokens emitted per second of round time, each round's tokens counted at its band's
+smallest lane count (the caller's count; the round runner's is below).
 
-Why a pace and not tokens per second: a band holds rounds of several lane counts (8-15
-lanes, say), and tokens per second moves with the lane count far more than with the
-choice. On a GPU a round's time barely grows with its lanes, so plain rounds of 15 lanes
-emit nearly twice the tokens per second of plain rounds of 8. In a batch's tail, where
-lanes end one by one and the band is crossed downward, drafting's evidence came from the
-few lanes left and plain's from older rounds of more lanes: the guard judged drafting
-"not faster" 15 times in one H100 log where, lane count by lane count, drafted rounds ran
-1.2-2.2x plain ones (bench/results, session 33). A pace compares each round with plain
-at its own lane count, so evidence from any mix of lane counts compares like with like.
+Why counted: a band holds rounds of several lane counts (8-15 lanes, say), and tokens per
+second moves with the lane count more than with the choice. On a GPU a round takes
+about as long at any lane count, so plain rounds of 15 lanes emit nearly twice the
+tokens a second of plain rounds of 8: drafting explored at 8 lanes lost to plain explored
+at 15 although it paid at each, and in a batch's tail, crossed downward, drafting's
+recent evidence from few lanes lost to plain's older evidence from more (session 33
+logged 15 such verdicts where, lane count by lane count, drafting won). So the runner
+counts a round's tokens as the tokens plain rounds of the band's smallest lane count
+emit in the time plain rounds of the round's own lanes take for them: tokens x (p(L) / L)
+/ (p(F) / F), with p a plain round's cost from its cost table, L the round's lanes and F
+the band's smallest. Plain rounds of any lane count then run at the rate of plain rounds
+of F lanes, and drafted rounds at their speedup over plain at their own lane count times
+that rate; at F lanes, and in bands of one lane count, tokens count as they are. A ratio of two estimates, the count does not
+move as the cost table's estimates all drift together (a warm-up's seeds, timed without
+a round's host work, giving way to live rounds); counted in plain seconds alone, evidence
+recorded before such a drift would weigh against evidence recorded after it.
 
 Per band:
 - Exploration: a band with no evidence drafts for its first `explore_rounds` counted
@@ -26,10 +32,10 @@ Per band:
   the round costs after; counted, it would decide the band on its own. (Within a band,
   the round runner keeps from the guard the first round of every lane count and row
   count it meets, for the same reason: it traces, and on CUDA plans, for its shape.)
-- After that it runs the choice whose realised pace is higher (drafting only while
+- After that it runs the choice whose realised throughput is higher (drafting only while
   drafted rounds measure strictly faster) and now and then probes the other choice, so
   that a change (acceptance rising or falling) is noticed and the guard switches back.
-- What to probe: drafting's pace moves with the text a lane writes (what the
+- What to probe: drafting's throughput moves with the text a lane writes (what the
   drafter guesses right), plain's does not (one token a lane, in a round whose time its
   band fixes). So the budget below pays for probing drafting only; plain, when it loses,
   is probed only once its evidence is stale: decayed below `STALE_WEIGHT` rounds (one
@@ -43,15 +49,15 @@ Per band:
   H200 against 6 ms plain rounds), a probe every 60 rounds would lose about 5% of the
   band's time on its own.
 - Probe budget (the precise rule): what a probe costs is the time it loses against the
-  winner, `seconds - plain_seconds / winner_pace` (at least 0). A drafted probe runs only if,
-  counting it at its choice's mean round and pace, the band's probe charges stay <=
+  winner, `seconds - tokens / winner_tps` (at least 0). A drafted probe runs only if,
+  counting it at its choice's mean round and throughput, the band's probe charges stay <=
   `budget` x all seconds recorded in the band (probes included). A probe's charge is
   what it lost (`probe_charge`), scaled up for a drafted probe where drafting measured
-  below FAR_LOSER (half) of plain's pace when it ran: at a quarter, its probes
+  below FAR_LOSER (half) of plain's throughput when it ran: at a quarter, its probes
   lose at most half the budget. A far loser's probe is unlikely to find it winning,
   and spent whole the budget cost 2.0% and 3.3% of the time of the 2.6B shape's
   drafting-capable engine at 32K and 126K tokens on an H100 (session 28), where a
-  drafted probe keeps a small fraction of plain's pace (above: 17-50 ms rounds
+  drafted probe keeps a small fraction of plain's throughput (above: 17-50 ms rounds
   against 6 ms). (Scaling the budget instead would shrink what the band's past seconds
   allow whenever drafting's estimate dips, and pause its probes for as long as the band
   is old.) The default budget is 2%: at long contexts, where drafting loses, the
@@ -67,7 +73,7 @@ Per band:
   whose rounds keep anything from no draft to all of them, fell into this when plain
   probes were paid from the budget, and ran plain most of the time where it paid 1.6x;
   plain is now probed only when stale, and the share still bounds drafted probes.
-- Pace per choice is a ratio of decayed sums (plain seconds over seconds). Both choices'
+- Throughput per choice is a ratio of decayed sums (tokens over seconds). Both choices'
   sums decay by `1 - smoothing` on every round recorded in the band, so the winner is
   judged on roughly its last 1/smoothing rounds and the loser on its latest probe or two.
   So one lucky probe can flip the choice; the new winner's own rounds then flip it back
@@ -99,7 +105,7 @@ logger = logging.getLogger("laneserve.guard")
 # one round recorded 59 rounds ago at the default smoothing (0.05), more rounds further back.
 STALE_WEIGHT = 0.05
 
-# Drafting measured below this share of plain's pace is a far loser: text would
+# Drafting measured below this share of plain's throughput is a far loser: text would
 # have to more than double what its rounds keep for it to win, so its probes are charged
 # more than they lose (probe_charge). Above it the charge is the loss: in a close call
 # drafting's estimate often dips below plain's, and charging each dip's probes more (a
@@ -126,57 +132,56 @@ class GuardDecision:
     draft: bool
     probe: bool
     band: Band
-    drafted_pace: float | None
-    plain_pace: float | None
+    drafted_tps: float | None
+    plain_tps: float | None
     reason: str
 
 
-def lost_seconds(seconds: float, plain_seconds: float, winner_pace: float) -> float:
-    """The time a round of `seconds` whose tokens plain rounds would take `plain_seconds`
-    to emit lost against a choice at `winner_pace`: all of it against a winner that emits
-    nothing."""
-    return max(0.0, seconds - plain_seconds / winner_pace) if winner_pace > 0 else seconds
+def lost_seconds(seconds: float, tokens: float, winner_tps: float) -> float:
+    """The time a round of `seconds` that emitted `tokens` lost against a choice that
+    emits `winner_tps` tokens a second: all of it against a winner that emits nothing."""
+    return max(0.0, seconds - tokens / winner_tps) if winner_tps > 0 else seconds
 
 
-def probe_charge(lost: float, drafted_pace: float, plain_pace: float, drafted: bool = True) -> float:
+def probe_charge(lost: float, drafted_tps: float, plain_tps: float, drafted: bool = True) -> float:
     """What a probe that lost `lost` seconds is charged against the budget: its loss, a
-    drafted probe's scaled by FAR_LOSER x plain_pace / drafted_pace where that exceeds 1
-    (`drafted_pace` > 0: a recorded round emits a token for each live lane)."""
-    return lost * max(1.0, FAR_LOSER * plain_pace / drafted_pace) if drafted else lost
+    drafted probe's scaled by FAR_LOSER x plain_tps / drafted_tps where that exceeds 1
+    (`drafted_tps` > 0: a recorded round emits a token for each live lane)."""
+    return lost * max(1.0, FAR_LOSER * plain_tps / drafted_tps) if drafted else lost
 
 
 @dataclass
-class _Pace:
+class _Throughput:
     """Decayed sums of one choice's rounds in one band."""
 
-    plain_seconds: float = 0.0  # what plain rounds of the same lanes would take for the tokens
+    tokens: float = 0.0
     seconds: float = 0.0
     weight: float = 0.0  # decayed count of rounds
     rounds: int = 0  # undecayed count of rounds
     warm: int = 0  # rounds run but not counted (see warm_rounds)
 
     @property
-    def pace(self) -> float | None:
-        return self.plain_seconds / self.seconds if self.rounds else None
+    def tokens_per_second(self) -> float | None:
+        return self.tokens / self.seconds if self.rounds else None
 
     @property
     def mean_round_seconds(self) -> float:
         return self.seconds / self.weight
 
-    def mean_loss_seconds(self, winner_pace: float) -> float:
-        """What one of these rounds loses, on average, against a choice at `winner_pace`."""
-        return lost_seconds(self.seconds, self.plain_seconds, winner_pace) / self.weight
+    def mean_loss_seconds(self, winner_tps: float) -> float:
+        """What one of these rounds loses, on average, against a choice at `winner_tps`."""
+        return lost_seconds(self.seconds, self.tokens, winner_tps) / self.weight
 
     def decay(self, keep: float) -> None:
         # Decay leaves the ratios alone; it only stops before underflow makes them 0/0.
         if self.weight < 1e-9:
             return
-        self.plain_seconds *= keep
+        self.tokens *= keep
         self.seconds *= keep
         self.weight *= keep
 
-    def add(self, seconds: float, plain_seconds: float) -> None:
-        self.plain_seconds += plain_seconds
+    def add(self, seconds: float, tokens: float) -> None:
+        self.tokens += tokens
         self.seconds += seconds
         self.weight += 1.0
         self.rounds += 1
@@ -184,8 +189,8 @@ class _Pace:
 
 @dataclass
 class _BandEvidence:
-    drafted: _Pace = field(default_factory=_Pace)
-    plain: _Pace = field(default_factory=_Pace)
+    drafted: _Throughput = field(default_factory=_Throughput)
+    plain: _Throughput = field(default_factory=_Throughput)
     seconds: float = 0.0
     probe_seconds: float = 0.0
     probe_loss_seconds: float = 0.0  # what probes lost against the winner
@@ -194,11 +199,11 @@ class _BandEvidence:
     probe_share: float = 0.0  # decayed share of recent rounds that were probes
 
     def drafting_wins(self) -> bool:
-        return self.drafted.pace > self.plain.pace
+        return self.drafted.tokens_per_second > self.plain.tokens_per_second
 
 
 class DraftGuard:
-    """Decides per round whether to draft, from realised pace per band (see module doc)."""
+    """Decides per round whether to draft, from realised throughput per band (see module doc)."""
 
     def __init__(self, budget: float = 0.02, smoothing: float = 0.05, explore_rounds: int = 3, outlier_factor: float = 4.0,
                  warm_rounds: int = 1, max_probe_share: float = 0.25) -> None:
@@ -254,32 +259,32 @@ class DraftGuard:
         else:
             drafting_wins = evidence.drafting_wins()
             winner, loser = (drafted, plain) if drafting_wins else (plain, drafted)
-            probe = self._probe_due(evidence, loser, winner.pace, drafting=not drafting_wins)
+            probe = self._probe_due(evidence, loser, winner.tokens_per_second, drafting=not drafting_wins)
             draft = drafting_wins != probe
             reason = PROBE if probe else DRAFTING_FASTER if drafting_wins else DRAFTING_NOT_FASTER
-        decision = GuardDecision(draft, probe, band, drafted.pace, plain.pace, reason)
+        decision = GuardDecision(draft, probe, band, drafted.tokens_per_second, plain.tokens_per_second, reason)
         if logger.isEnabledFor(logging.DEBUG):  # every round: its arguments cost host time even when not logged
             logger.debug(
                 "guard decide lanes=%d context_tokens=%d band=%s draft=%s probe=%s reason=%r "
-                "drafted_pace=%s plain_pace=%s drafted_rounds=%d plain_rounds=%d probe_seconds=%.6f band_seconds=%.6f",
+                "drafted_tps=%s plain_tps=%s drafted_rounds=%d plain_rounds=%d probe_seconds=%.6f band_seconds=%.6f",
                 lanes, context_tokens, band, draft, probe, reason,
-                _format_pace(decision.drafted_pace), _format_pace(decision.plain_pace),
+                _format_tps(decision.drafted_tps), _format_tps(decision.plain_tps),
                 drafted.rounds, plain.rounds, evidence.probe_seconds, evidence.seconds,
             )
         return decision
 
-    def record(self, decision: GuardDecision, round_seconds: float, plain_seconds: float) -> None:
+    def record(self, decision: GuardDecision, round_seconds: float, emitted_tokens: float) -> None:
         """Fold in a round that ran as `decision` said: its wall seconds (drafter forward
-        included) and `plain_seconds`, what plain rounds of its lanes would take to emit
-        the tokens it emitted over all of them (tokens x a plain round's seconds per lane)."""
+        included) and the tokens it emitted over all its lanes, counted at its band's
+        smallest lane count (module doc)."""
         if not round_seconds > 0.0:
             raise ValueError(f"a round takes positive time, got {round_seconds}")
-        if not plain_seconds >= 0.0:
-            raise ValueError(f"plain seconds cannot be negative, got {plain_seconds}")
+        if emitted_tokens < 0:
+            raise ValueError(f"emitted tokens cannot be negative, got {emitted_tokens}")
         with self._lock:
-            self._record(decision, round_seconds, plain_seconds)
+            self._record(decision, round_seconds, emitted_tokens)
 
-    def _record(self, decision: GuardDecision, round_seconds: float, plain_seconds: float) -> None:
+    def _record(self, decision: GuardDecision, round_seconds: float, emitted_tokens: float) -> None:
         evidence = self._bands.setdefault(decision.band, _BandEvidence())
         choice = evidence.drafted if decision.draft else evidence.plain
         evidence.seconds += round_seconds
@@ -290,13 +295,13 @@ class DraftGuard:
         evidence.drafted.decay(self._keep)
         evidence.plain.decay(self._keep)
         counted = min(round_seconds, self._outlier_factor * choice.mean_round_seconds) if choice.weight > 1e-9 else round_seconds
-        choice.add(counted, plain_seconds)
+        choice.add(counted, emitted_tokens)
         if decision.probe:
-            winner_pace = decision.plain_pace if decision.draft else decision.drafted_pace
+            winner_tps = decision.plain_tps if decision.draft else decision.drafted_tps
             evidence.probe_seconds += round_seconds
-            lost = lost_seconds(round_seconds, plain_seconds, winner_pace)
+            lost = lost_seconds(round_seconds, emitted_tokens, winner_tps)
             evidence.probe_loss_seconds += lost
-            evidence.probe_charge_seconds += probe_charge(lost, decision.drafted_pace, decision.plain_pace, decision.draft)
+            evidence.probe_charge_seconds += probe_charge(lost, decision.drafted_tps, decision.plain_tps, decision.draft)
             evidence.probe_rounds += 1
 
     def snapshot(self) -> dict[str, dict[str, object]]:
@@ -316,8 +321,8 @@ class DraftGuard:
             "context": band.context_label,
             "drafting": evidence.drafting_wins() if explored else evidence.drafted.rounds < self._explore_rounds,
             "drafting_wins": evidence.drafting_wins() if explored else None,
-            "drafted_pace": evidence.drafted.pace,
-            "plain_pace": evidence.plain.pace,
+            "drafted_tps": evidence.drafted.tokens_per_second,
+            "plain_tps": evidence.plain.tokens_per_second,
             "drafted_rounds": evidence.drafted.rounds,
             "plain_rounds": evidence.plain.rounds,
             "probe_rounds": evidence.probe_rounds,
@@ -326,15 +331,15 @@ class DraftGuard:
             "seconds": evidence.seconds,
         }
 
-    def _probe_due(self, evidence: _BandEvidence, loser: _Pace, winner_pace: float, drafting: bool) -> bool:
+    def _probe_due(self, evidence: _BandEvidence, loser: _Throughput, winner_tps: float, drafting: bool) -> bool:
         """Whether the next round probes `loser` (`drafting`: the loser is drafting)."""
         if evidence.probe_share >= self.max_probe_share:
             return False
         if not drafting:
             return loser.weight < STALE_WEIGHT
-        expected_charge = probe_charge(loser.mean_loss_seconds(winner_pace), loser.pace, winner_pace)
+        expected_charge = probe_charge(loser.mean_loss_seconds(winner_tps), loser.tokens_per_second, winner_tps)
         return evidence.probe_charge_seconds + expected_charge <= self._budget * (evidence.seconds + loser.mean_round_seconds)
 
 
-def _format_pace(pace: float | None) -> str:
-    return "none" if pace is None else f"{pace:.3f}"
+def _format_tps(tps: float | None) -> str:
+    return "none" if tps is None else f"{tps:.3f}"

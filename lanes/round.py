@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .bands import Band
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
@@ -370,7 +371,7 @@ class RoundRunner:
             self.costs.observe(report.rows, report.lanes, context, report.seconds - report.draft_seconds)
         if decision is not None:
             if evidence:
-                self.guard.record(decision, report.seconds, self._plain_seconds(report, context))
+                self.guard.record(decision, report.seconds, self._counted_tokens(report, context))
             if decision.probe:
                 report.kind = "probe"
         self.counters.record(report)
@@ -381,11 +382,15 @@ class RoundRunner:
                       "".join(f" {name}_seconds={t:.6f}" for name, t in report.phase_seconds.items() if name != "draft"),
                       " first_of_shape=1" if report.first_of_shape else "", " behind_prompt=1" if report.behind_prompt else "")
 
-    def _plain_seconds(self, report: RoundReport, context: int) -> float:
-        """What plain rounds of the report's lanes would take to emit its tokens, from the
-        cost table (which holds this round by now): the guard paces every round against
-        plain at its own lane count (lanes/guard.py)."""
-        return report.emitted * self.costs.plain_estimate(report.lanes, context) / report.lanes
+    def _counted_tokens(self, report: RoundReport, context: int) -> float:
+        """The report's tokens as the guard counts them, at its band's smallest lane count:
+        each weighs what a token costs plain rounds of the report's lanes against what it
+        costs plain rounds of that many (lanes/guard.py), from the cost table, which holds
+        this round by now. A ratio of two estimates: a table whose costs all drift
+        together (a warm-up's seeds giving way to live rounds) weighs tokens the same."""
+        floor = Band.of(report.lanes, context).lanes
+        token_seconds = lambda lanes: self.costs.plain_estimate(lanes, context) / lanes
+        return report.emitted * token_seconds(report.lanes) / token_seconds(floor)
 
     def _first_of_shape(self, report: RoundReport) -> bool:
         """Whether `report` is the first round of its kind, lanes and rows. A shape's first

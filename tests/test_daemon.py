@@ -562,7 +562,7 @@ VLLM_NAMES = [
     "request_prompt_tokens", "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
     "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 ]
-OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_mode_rounds", "round_mode_seconds", "round_mode_tokens", "round_seconds", "verify_rows", "guard_drafting", "guard_pace", "kv_bytes_in_use",
+OWN_NAMES = ["prompt_lookup_num_drafts", "rounds", "round_mode_rounds", "round_mode_seconds", "round_mode_tokens", "round_seconds", "verify_rows", "guard_drafting", "guard_tokens_per_second", "kv_bytes_in_use",
              "http_requests_client_disconnected"]
 
 
