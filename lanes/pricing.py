@@ -143,8 +143,8 @@ class CostTable:
         """Estimated seconds of a plain round of `lanes` lanes (one row each), from the
         nearest band that has measured a round of no more rows. A band that has run only
         wider verifies would price it flat at its narrowest verify, which on the CPU costs
-        several plain rows: the guard, pacing drafted rounds against this, would read them
-        faster than they are until a plain round ran there."""
+        several plain rows: the guard, counting a band's tokens by these (lanes/guard.py),
+        would weigh its lane counts as if a round cost the same at any of them."""
         fitting = {band: by_rows for band, by_rows in self._round_seconds.items() if min(by_rows) <= lanes}
         band = _nearest(fitting or self._round_seconds, Band.of(lanes, context_tokens))
         return cost_curve(self._round_seconds[band])(lanes)
