@@ -389,6 +389,8 @@ class RoundRunner:
         this round by now. A ratio of two estimates: a table whose costs all drift
         together (a warm-up's seeds giving way to live rounds) weighs tokens the same."""
         floor = Band.of(report.lanes, context).lanes
+        if report.lanes == floor:  # one lane, 16 of 16, a band's smallest: counted as emitted, no estimate read
+            return report.emitted
         token_seconds = lambda lanes: self.costs.plain_estimate(lanes, context) / lanes
         return report.emitted * token_seconds(report.lanes) / token_seconds(floor)
 
