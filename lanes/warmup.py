@@ -130,7 +130,9 @@ def prompt_shapes(target, max_lanes: int, prompt_chunk: int) -> list[tuple[int, 
 
 def _read_every_prompt_shape(runner: RoundRunner, max_lanes: int, prompt_chunk: int) -> None:
     """Read a prompt chunk of each of `prompt_shapes` into fresh lanes (so its keys span
-    what a new prompt's do), with and without the drafter's taps; never committed."""
+    what a new prompt's do), with and without the drafter's taps, on the first slots and
+    on others (a lane joining takes whichever slot an ended lane left: compiled, another
+    trace); never committed."""
     target = runner.target
     slots = [target.open_lane() for _ in range(max_lanes)]
     try:
@@ -142,8 +144,9 @@ def _read_every_prompt_shape(runner: RoundRunner, max_lanes: int, prompt_chunk: 
                 mx.clear_cache()
                 previous = lanes
             for taps in {(), runner.taps(runner.drafter is not None)}:
-                read = target.forward(slots[:lanes], [[1] * width] * lanes, logits="last", taps=taps, steady=True)
-                mx.eval(read.logits, *([read.taps] if taps else []), *target.state_arrays())
+                for first in [0, 1] if lanes < max_lanes else [0]:
+                    read = target.forward(slots[first : first + lanes], [[1] * width] * lanes, logits="last", taps=taps, steady=True)
+                    mx.eval(read.logits, *([read.taps] if taps else []), *target.state_arrays())
     finally:
         for slot in slots:
             target.close_lane(slot)

@@ -418,21 +418,22 @@ def test_a_steady_warm_up_reads_every_steady_prompt_shape_into_fresh_lanes(dense
     # A backend that plans per shape meets each steady prompt chunk at warm-up, not when
     # a request's lane joins: chat-sized chunks at every lane count, longer ones alone,
     # into lanes holding nothing (a new prompt's keys span its own rows), with and
-    # without the drafter's taps.
+    # without the drafter's taps, on the first slots and on others (as a lane joining
+    # on an ended lane's slot reads, a trace of its own).
     engine = make_engine(dense_dir, drafter_dir, lanes=3, timed=False, steady_shapes=True)
     reads = set()
     forward = engine.target.forward
 
     def watched(lanes, tokens, **kwargs):
         if kwargs.get("steady"):
-            reads.add((len(lanes), len(tokens[0]), bool(kwargs.get("taps")), max(lane.length for lane in lanes)))
+            reads.add((len(lanes), len(tokens[0]), bool(kwargs.get("taps")), max(lane.length for lane in lanes), lanes[0].slot))
         return forward(lanes, tokens, **kwargs)
 
     monkeypatch.setattr(engine.target, "forward", watched)
     profile(engine.rounds, 3, prompt_chunk=200)
     shapes = prompt_shapes(engine.target, 3, 200)
     assert shapes == [(n, w) for n in (1, 2, 3) for w in (1, 2, 4, 8, 16, 32, 64)] + [(1, 128), (1, 192), (1, 256)]
-    assert reads == {(n, w, taps, 0) for n, w in shapes for taps in (False, True)}
+    assert reads == {(n, w, taps, 0, first) for n, w in shapes for taps in (False, True) for first in ((0, 1) if n < 3 else (0,))}
 
 
 def test_the_steady_warm_up_does_not_keep_every_prompt_shapes_buffers_cached(dense_dir, drafter_dir, monkeypatch):

@@ -128,6 +128,47 @@ def test_compiled_verify_windows_and_partial_accepts_equal_eager(checkpoint, req
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("checkpoint", ["dense_dir", "moe_dir"])
+def test_compiled_steady_prompt_reads_equal_eager(checkpoint, request):
+    """Steady prompt reads wider than a verify window (lanes joining on slots an ended
+    lane left, then one lane's long chunk), each lane's last row's logits and the taps,
+    then decode steps from where each prompt ended: compiled matches eager, and the reads
+    ran as traces of their padded widths."""
+    eager, compiled = pair(request.getfixturevalue(checkpoint), lanes=4)
+    prompts = [tokens(40, 37), tokens(41, 50), tokens(42, 100)]
+    results = []
+    for target in (eager, compiled):
+        slots = [target.open_lane() for _ in range(4)]
+        target.close_lane(slots[0])  # the joining lanes sit on slots 1 and 3: slot ids
+        target.close_lane(slots[2])
+        lanes = [slots[3], slots[1]]
+        logs = []
+        read = target.forward(lanes, prompts[:2], logits="last", taps=TAPS, steady=True)
+        target.commit(read, [len(p) for p in prompts[:2]])
+        long_read = target.forward([lanes[0]], [prompts[2]], logits="last", taps=TAPS, steady=True)
+        target.commit(long_read, [len(prompts[2])])
+        fed = mx.argmax(long_read.logits, axis=-1)
+        mx.eval(read.logits, read.taps, long_read.logits, long_read.taps, *target.state_arrays())
+        logs += [np.array(read.logits), np.array(read.taps), np.array(long_read.logits), np.array(long_read.taps)]
+        fed = mx.concatenate([fed, mx.argmax(read.logits[1:], axis=-1)])
+        for _ in range(3):
+            step = target.forward(lanes, fed, taps=TAPS)
+            fed = mx.argmax(step.logits, axis=-1)
+            target.commit(step, [1, 1])
+            mx.eval(fed, *target.state_arrays())
+            logs.append(np.array(step.logits))
+        results.append((logs, [lane_state(target, lane) for lane in lanes]))
+    (eager_logs, eager_state), (compiled_logs, compiled_state) = results
+    for ours, theirs in zip(compiled_logs, eager_logs):
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(compiled_state, eager_state):
+        for name in theirs:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    read_widths = {spec.widths for spec in compiled._traces.specs()} - {(1, 1)}
+    assert read_widths == {(64, 64), (128,)}
+
+
 def test_an_uncommitted_step_leaves_the_conv_state(dense_dir):
     """A one-row forward builds its conv pools with the row kept, but only commit swaps
     them in; a round committed in between makes commit rebuild them from the windows."""

@@ -5,9 +5,9 @@ until `commit` is told how many of its rows were kept, so a partial accept costs
 recomputation: KV rows past the kept prefix are simply not counted, and each conv state
 is rebuilt from the inputs the forward recorded.
 
-Rounds whose lanes all feed the same few rows (decode steps, padded verify windows) run
-their layers as compiled functions (`mx.compile`), one per segment between attention
-cores: the conv states go in and come out as arrays and every per-round value (offsets,
+Rounds whose lanes all feed the same few rows (decode steps, padded verify windows) and
+steady prompt reads (every lane padded to one of a few chunk widths) run their layers as
+compiled functions (`mx.compile`), one per segment between attention cores: the conv states go in and come out as arrays and every per-round value (offsets,
 slot ids, tokens) is an array argument, so one trace serves every round of the same
 shape. What is not an array (the segment, the widths, contiguous slots, the taps) is the
 trace's `SegmentSpec`: a value read from Python inside a trace would be baked into it
@@ -90,7 +90,8 @@ class RoundOutput:
 class Lfm2Target:
     def __init__(self, model: Lfm2Model, config: Lfm2Config, max_lanes: int = 16, compiled: bool = True,
                  by_rows: bool | None = None):
-        """`compiled`: run uniform rounds of few rows as compiled functions (see above).
+        """`compiled`: run uniform rounds of few rows and steady prompt reads as compiled
+        functions (see above).
         `by_rows`: multiply a few rows by the weights without cuBLASLt
         (model.row_products), and by a MoE's experts without gather_mm
         (model.Experts); None: where the backend plans per shape (CUDA)."""
@@ -214,10 +215,10 @@ class Lfm2Target:
         furthest = max(b + w for b, w in zip(bounds, widths))
         if furthest > self.context_limit:
             raise ContextLimitError(f"a lane would reach {furthest} tokens, past the context limit {self.context_limit}")
-        own = widths
+        own, padded = widths, False
         if steady and not lazy and (width := self.steady_width(widths, bounds)) is not None:
             tokens = [t + [t[-1]] * (width - len(t)) for t in tokens]
-            widths = [width] * len(lanes)
+            widths, padded = [width] * len(lanes), True
         # Lanes run in slot order so contiguous slots are read as slices, not gathers.
         order = sorted(range(len(lanes)), key=lambda i: lanes[i].slot)
         slots = [lanes[i].slot for i in order]
@@ -239,7 +240,10 @@ class Lfm2Target:
             packed = packed.astype(mx.int32)
         else:
             packed = mx.array([t for i in order for t in tokens[i]], dtype=mx.int32)
-        compiled = self.compiled and len(set(widths)) == 1 and widths[0] <= SMALL_QUERY
+        # A steady read's widths come from a few buckets, so its traces recur as a round's
+        # do; eager, a joining lane's read of a chat prompt issued about half again as
+        # many kernels as compiled, each launched by the host while the decoding lanes wait.
+        compiled = self.compiled and len(set(widths)) == 1 and (widths[0] <= SMALL_QUERY or padded)
         h, tapped, windows, conv_kept = self._layers(packed, layout, slots, taps, compiled)
         if order != sorted(order):  # back to the caller's lane order
             sorted_starts = dict(zip(order, layout.row_starts))
