@@ -1,6 +1,6 @@
 """What one plain decode step and one drafting round cost, and how many operations they issue.
 
-    python -m bench.bench_step [--model DIR --drafter DIR] [--dtype float32] [--lanes 1,8,16] [--seconds 2]
+    python -m bench.bench_step [--model DIR --drafter DIR] [--dtype float32] [--lanes 1,8,16] [--seconds 2] [--read ROWS]
 
 Defaults to the embedded default target and drafter. For each lane count, after every
 lane has read a random prompt of `--context` tokens:
@@ -12,6 +12,10 @@ lane has read a random prompt of `--context` tokens:
   greedy proposal of the drafter's width per lane as the engine asks for one (no chain
   logits; no confidences where shapes are steady, as on CUDA), evaluated with the context it wrote; with `--chain-ops` also the same round
   with the chain as MLX operations (`draft-ops`) where it otherwise runs as one kernel;
+- prompt reads (`--read ROWS`): as many lanes as the cell's, on slots past the decoding
+  lanes' (as a lane joining takes an ended lane's slot), each reading a prompt chunk of
+  ROWS tokens in one steady forward with the drafter's taps, the engine's prompt read,
+  never committed: `read` compiled as the engine runs it, `read-eager` not;
 - peer step (`--peer`): one `next_generated` call of mlx-lm's BatchGenerator holding
   the same number of sequences, on the same checkpoint, in the same process.
 
@@ -105,6 +109,20 @@ class DraftRounds:
         return [*proposal.arrays(), *self.drafter.state_arrays()]
 
 
+class PromptReads:
+    def __init__(self, target, slots, rows: int, taps, compiled: bool):
+        self.target, self.slots, self.taps, self.compiled = target, slots, taps, compiled
+        self.prompt = [1 + i % (target.vocab_size - 1) for i in range(rows)]
+
+    def build(self) -> list[mx.array]:
+        kept, self.target.compiled = self.target.compiled, self.compiled
+        try:
+            read = self.target.forward(self.slots, [self.prompt] * len(self.slots), logits="last", taps=self.taps, steady=True)
+        finally:
+            self.target.compiled = kept
+        return [read.logits, *([read.taps] if read.taps is not None else []), *self.target.state_arrays()]
+
+
 class PeerSteps:
     """mlx-lm's BatchGenerator decoding the same number of sequences."""
 
@@ -151,8 +169,9 @@ class System:
         lfm2 = importlib.import_module(f"{pkg}.lfm2")
         drafter_module = importlib.import_module(f"{pkg}.lfm2.drafter")
         self.name = pkg
-        # Room for a second set of lanes behind a hole (`--slot-gap`).
-        max_lanes = 2 * max(args.lanes) + 1 if args.slot_gap else max(args.lanes)
+        # Room for a second set of lanes behind a hole (`--slot-gap`) or reading prompts (`--read`).
+        max_lanes = max(args.lanes) * (1 + bool(args.slot_gap) + bool(args.read)) + bool(args.slot_gap)
+        self.read_rows = args.read
         self.target = lfm2.open_target(args.model, dtype=args.dtype, max_lanes=max_lanes).target
         self.drafters = {}
         if args.drafter:
@@ -191,6 +210,11 @@ class System:
         width = len(self.taps) * target.config.hidden_size
         for name, drafter in self.drafters.items():
             builds[name] = DraftRounds(drafter, dslots[name], [p[-1] for p in prompts], width, drafter.dtype)
+        if self.read_rows and not hole:
+            readers = [target.open_lane() for _ in prompts]
+            self.opened.append((None, readers))
+            for name, compiled in (("read", True), ("read-eager", False)):
+                builds[name] = PromptReads(target, readers, self.read_rows, self.taps, compiled)
         return builds
 
     def close(self) -> None:
@@ -304,6 +328,7 @@ def main() -> None:
                         "otherwise runs as one kernel (CUDA)")
     p.add_argument("--slot-gap", action="store_true",
                    help="also time each lane count in slots after a gap (@gap): slot ids as an array, not views")
+    p.add_argument("--read", type=int, default=0, metavar="ROWS", help="also time prompt reads of ROWS tokens, compiled and eager")
     p.add_argument("--reserve", type=int, default=0, help="also time one lane with the KV pools grown to this many positions")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="step")
