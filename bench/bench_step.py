@@ -30,7 +30,7 @@ copied per step instead of updated in place shows as a slower step).
 
 Each is run for `--seconds`, in turns (`--turns`, the systems alternate within a turn),
 and reported as the median milliseconds of its steps with the spread of the turns'
-medians. `ops` counts the primitives in one step's graph (as `mx.export_to_dot` sees
+medians. `ops` counts the primitives in one step's graph once warm (as `mx.export_to_dot` sees
 them: under `mx.compile` a fused elementwise chain is one); `kernels` leaves out the
 ones that only make views (reshape, slice, broadcast, ...), which launch nothing.
 Writes NAME.json and NAME.md under --out when given, each with its command, commit and
@@ -234,12 +234,12 @@ def run(args, saved=lambda result: None) -> dict:
               "seconds": args.seconds, "turns": args.turns, "families": args.families, "lanes": {}}
     for lanes in args.lanes:
         prompts = [[int(t) for t in rng.integers(20, min(4000, vocab), args.context)] for _ in range(lanes)]
-        steps, cell = {}, {}
+        steps, builds, cell = {}, {}, {}
         for system in systems:
             for hole in (False, True) if args.slot_gap else (False,):
                 for kind, build in system.open(prompts, hole).items():
                     name = (f"{system.name}:{kind}" if len(systems) > 1 else kind) + ("@gap" if hole else "")
-                    cell[name] = {"ops": count_ops(build.build()), "turns": []}
+                    builds[name], cell[name] = build, {"turns": []}
                     steps[name] = build.pipelined if kind == "plain" else evaluated(build.build)
         if args.peer:
             peer = PeerSteps(args.model, args.dtype, prompts)
@@ -247,6 +247,10 @@ def run(args, saved=lambda result: None) -> dict:
         for step in steps.values():  # first-use costs (compilation, plans) stay out of the timing
             for _ in range(3):
                 step()
+        for name, build in builds.items():  # counted once warm: a first step also holds the pools' one-off growth
+            outputs = build.build()
+            cell[name]["ops"] = count_ops(outputs)
+            mx.eval(outputs)
         for turn in range(args.turns):
             order = list(steps) if turn % 2 == 0 else list(reversed(steps))
             for name in order:
