@@ -279,6 +279,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_pricing.py",),
     ),
     Mutant(
+        "steady-prompt-reads-eager",
+        "a steady prompt read wider than a verify window runs eagerly: a joining lane's chat prompt issues about "
+        "half again as many kernels, each launched while the decoding lanes wait",
+        (Edit("families/lfm2/target.py", "(widths[0] <= SMALL_QUERY or padded)", "widths[0] <= SMALL_QUERY"),),
+        ("tests/test_lfm2_compiled.py",),
+    ),
+    Mutant(
+        "warm-up-reads-prompts-on-the-first-slots-only",
+        "the warm-up reads each steady prompt shape on slots 0..N-1 only: a lane joining on an ended lane's slot "
+        "meets a trace of its own (slot ids) in service, its first read paying for it",
+        (Edit("lanes/warmup.py", "for first in [0, 1] if lanes < max_lanes else [0]:", "for first in [0]:"),),
+        ("tests/test_engine.py",),
+    ),
+    Mutant(
         "first-round-of-a-shape-timed",
         "a round of a shape the backend meets for the first time (tracing, on CUDA planning, for it) is fed to the "
         "guard and the cost table: in a batch's tail each new lane count's first rounds decide its band",
