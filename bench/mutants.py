@@ -293,6 +293,21 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_engine.py",),
     ),
     Mutant(
+        "cost-fit-by-running-maximum",
+        "the cost curve is made non-decreasing by a running maximum: one row count measured once and high (a join "
+        "in its interval) prices every wider window as dearly until it is measured again, which pricing then avoids",
+        (Edit("lanes/pricing.py", "    seconds = monotone_fit([seconds_by_rows[r] for r in measured], weights)\n",
+              "    seconds = [max(seconds_by_rows[r] for r in measured[: i + 1]) for i in range(len(measured))]\n"),),
+        ("tests/test_pricing.py",),
+    ),
+    Mutant(
+        "cost-fit-unweighted",
+        "the cost curve's monotone fit weighs a row count measured once as much as one measured in every round",
+        (Edit("lanes/pricing.py", "    weights = [1.0 if rounds_by_rows is None else rounds_by_rows.get(r, 1.0) for r in measured]\n",
+              "    weights = [1.0 for r in measured]\n"),),
+        ("tests/test_pricing.py",),
+    ),
+    Mutant(
         "first-round-of-a-shape-timed",
         "a round of a shape the backend meets for the first time (tracing, on CUDA planning, for it) is fed to the "
         "guard and the cost table: in a batch's tail each new lane count's first rounds decide its band",

@@ -13,6 +13,7 @@ from lanes.pricing import (
     NoCostData,
     chain_chances,
     cost_curve,
+    monotone_fit,
     plan_depths,
 )
 from lanes.round import Draft, RoundRunner
@@ -59,11 +60,37 @@ def test_extrapolation_continues_the_last_slope():
 
 
 def test_extrapolation_never_falls_below_the_last_point():
-    # The dip 12 -> 11 is noise: the envelope is 10, 12, 12, so the slope past 3 is 0.
+    # The dip 12 -> 11 is noise: the fit pools the two, 10, 11.5, 11.5, so the slope past 3 is 0.
     points = {1: 10.0, 2: 12.0, 3: 11.0}
-    assert cost_curve(points)(2) == 12.0
-    assert cost_curve(points)(3) == 12.0
-    assert cost_curve(points)(6) == 12.0
+    assert cost_curve(points)(1) == 10.0
+    assert cost_curve(points)(2) == 11.5
+    assert cost_curve(points)(3) == 11.5
+    assert cost_curve(points)(6) == 11.5
+
+
+def test_a_fall_in_the_measurements_is_pooled_by_the_rounds_each_rests_on():
+    # One round of 100 rows at 35 ms against ten rounds each of the wider counts at about
+    # 18: all three are priced near 18, not the wider ones at 35.
+    points = {60: 16.0, 100: 35.0, 120: 17.5, 150: 18.0}
+    rounds = {60: 10, 100: 1, 120: 10, 150: 10}
+    curve = cost_curve(points, rounds)
+    assert curve(60) == 16.0
+    assert curve(100) == curve(120) == curve(150) == pytest.approx((35.0 + 10 * 17.5 + 10 * 18.0) / 21)
+    # Unweighted, the one round weighs as much as ten.
+    assert cost_curve(points)(150) == pytest.approx((35.0 + 17.5 + 18.0) / 3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_monotone_fit_is_the_nearest_non_decreasing_sequence(seed):
+    rng = np.random.default_rng(seed)
+    values, weights = rng.uniform(1, 5, 8), rng.integers(1, 10, 8).astype(float)
+    fit = np.array(monotone_fit(list(values), list(weights)))
+    assert np.all(np.diff(fit) >= -1e-12)
+    assert np.sum(weights * fit) == pytest.approx(np.sum(weights * values))  # each pool keeps its weighted mean
+    best = np.sum(weights * (fit - values) ** 2)
+    for _ in range(200):  # no other non-decreasing sequence is nearer
+        other = np.sort(fit + rng.normal(0, 0.2, 8))
+        assert np.sum(weights * (other - values) ** 2) >= best - 1e-9
 
 
 def test_single_point_is_flat_and_below_first_point_is_flat():
@@ -91,6 +118,20 @@ def test_cost_table_seeds_and_smooths_live_observations():
     assert table.estimate(2, 1, 1000) == 9.0
     table.seed(4, 1, 1000, 10.0)  # a seed overwrites
     assert table.estimate(4, 1, 1000) == 10.0
+
+
+def test_a_row_count_measured_once_high_does_not_price_the_wider_windows():
+    # Session 35's served run: a 15-lane band's rounds of 60 and 150 rows measured often,
+    # one round of 100 rows (10 lanes, a join in its interval) at 35 ms, never again.
+    table = CostTable(smoothing=0.1)
+    table.observe(100, 10, 200, 0.035)
+    for _ in range(30):
+        table.observe(60, 15, 200, 0.0163)
+        table.observe(150, 15, 200, 0.0197)
+    assert table.estimate(150, 15, 200) == pytest.approx((0.035 + 10 * 0.0197) / 11)  # the 150-row figure rests on 10
+    chances = [[0.865 * 0.8**k for k in range(9)]] * 15  # deep chains, as at the published profile
+    depths = plan_depths(chances, 0, table.curve(15, 200), 0.001, padded_width=lambda rows: 4 if rows <= 4 else 10)
+    assert max(depths) == 9
 
 
 def test_cost_table_keeps_bands_apart():
