@@ -174,6 +174,12 @@ class CostTable:
         band = _nearest(fitting or self._round_seconds, Band.of(lanes, context_tokens))
         return cost_curve(self._round_seconds[band], self._rounds[band])(lanes)
 
+    def figures(self) -> dict[Band, dict[int, tuple[float, int]]]:
+        """What the table holds, for reports: per band, each row count's seconds and the
+        rounds they rest on."""
+        return {band: {rows: (seconds, self._rounds[band][rows]) for rows, seconds in sorted(by_rows.items())}
+                for band, by_rows in self._round_seconds.items()}
+
     def _smoothed(self, previous: float | None, seconds: float) -> float:
         if previous is None:
             return seconds
