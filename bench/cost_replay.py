@@ -2,9 +2,11 @@
 as the round runner feeds it, with the table's estimates read just before each round of
 one lane count.
 
-    python -m bench.cost_replay LOG [--lanes 15] [--rows 60,150] [--out DIR] [--name cost-replay]
+    python -m bench.cost_replay LOG [--lanes 15] [--rows 60,150] [--after 'serving on'] [--out DIR] [--name cost-replay]
 
-LOG is a lane core's debug log (`--log-level DEBUG`, gzipped or not). A round is evidence
+LOG is a lane core's debug log (`--log-level DEBUG`, gzipped or not), read from the first
+line holding `--after` where one does (a server's warm-up rounds teach a throwaway
+table, lanes/warmup.py), else whole. A round is evidence
 unless its line says `first_of_shape=1` or `behind_prompt=1` (lanes/round.py `_account`):
 its seconds less its draft seconds go in at its rows, lanes and context. The warm-up's
 seeds are not in the log, so the table starts empty and a band borrows the nearest one
@@ -25,6 +27,15 @@ from pathlib import Path
 from bench.provenance import markdown_line, provenance, write_result
 from bench.round_phases import rounds
 from lanes.pricing import CostTable, NoCostData
+
+
+def read_log(path: str, after: str) -> list[dict]:
+    """The round lines of the log at `path` (round_phases.rounds) after the first line
+    holding `after`, or all of them where none does (or `after` is empty)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        lines = f.readlines()
+    start = next((i for i, text in enumerate(lines) if after and after in text), -1)
+    return rounds(lines[start + 1:])
 
 
 def replay(found: list[dict], lanes: int, rows: list[int]) -> dict:
@@ -77,12 +88,11 @@ def main() -> None:
     p.add_argument("--lanes", type=int, default=15, help="the lane count whose rounds to read estimates before")
     p.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[60, 150],
                    help="row counts to estimate (comma-separated)")
+    p.add_argument("--after", default="serving on", help="read rounds after the first line holding this ('' for all)")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="cost-replay")
     args = p.parse_args()
-    opener = gzip.open if args.log.endswith(".gz") else open
-    with opener(args.log, "rt") as f:
-        found = rounds(f)
+    found = read_log(args.log, args.after)
     result = {**provenance(), "log": Path(args.log).name, "lanes": args.lanes, "rows": args.rows,
               **replay(found, args.lanes, args.rows)}
     text = markdown(result)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.cost_replay import replay
+from bench.cost_replay import read_log, replay
 from bench.round_phases import rounds
 
 
@@ -29,3 +29,13 @@ def test_a_round_log_is_replayed_as_the_runner_feeds_the_table():
     assert [band["by_rows"][rows]["ms"] for rows in (60, 100, 150)] == pytest.approx([16.3, 35.0, 19.7])
     # Before the rounds of 60 rows, 150 rows were priced near their own figure, the one round of 100 pooled in.
     assert result["verified"][60]["estimates_ms"][150] == pytest.approx((35.0 + 10 * 19.7) / 11)
+
+
+def test_a_servers_warm_up_rounds_are_left_out(tmp_path):
+    # They taught a throwaway table (lanes/warmup.py); the log says when serving began.
+    log = tmp_path / "head.log"
+    log.write_text("\n".join([line("drafted", 15, 150, 2.0), "2026-12-07 15:20:00,000 laneserve INFO serving on http://127.0.0.1:8301",
+                               line("drafted", 15, 150, 0.0207)]) + "\n")
+    assert [r["seconds"] for r in read_log(str(log), "serving on")] == [0.0207]
+    assert [r["seconds"] for r in read_log(str(log), "")] == [2.0, 0.0207]
+    assert [r["seconds"] for r in read_log(str(log), "never logged")] == [2.0, 0.0207]
