@@ -7,10 +7,11 @@ is rebuilt from the inputs the forward recorded.
 
 Rounds whose lanes all feed the same few rows (decode steps, padded verify windows) and
 steady prompt reads (every lane padded to one of a few chunk widths) run their layers as
-compiled functions (`mx.compile`), one per segment between attention cores: the conv states go in and come out as arrays and every per-round value (offsets,
-slot ids, tokens) is an array argument, so one trace serves every round of the same
-shape. What is not an array (the segment, the widths, contiguous slots, the taps) is the
-trace's `SegmentSpec`: a value read from Python inside a trace would be baked into it
+compiled functions (`mx.compile`), one per segment between attention cores: the conv
+states go in and come out as arrays and every per-round value (offsets, slot ids,
+tokens) is an array argument, so one trace serves every round of the same shape. What
+is not an array (the segment, the widths, contiguous slots, the taps) is the trace's
+`SegmentSpec`: a value read from Python inside a trace would be baked into it
 silently. The attention cores (KV writes and attention over each lane's keys) run
 between the segments as they do eagerly, so a key span that grows with the context
 never asks for a new trace.
