@@ -18,10 +18,11 @@ emit in the time plain rounds of the round's own lanes take for them: tokens x (
 / (p(F) / F), with p a plain round's cost from its cost table, L the round's lanes and F
 the band's smallest. Plain rounds of any lane count then run at the rate of plain rounds
 of F lanes, and drafted rounds at their speedup over plain at their own lane count times
-that rate; at F lanes, and in bands of one lane count, tokens count as they are. A ratio of two estimates, the count does not
-move as the cost table's estimates all drift together (a warm-up's seeds, timed without
-a round's host work, giving way to live rounds); counted in plain seconds alone, evidence
-recorded before such a drift would weigh against evidence recorded after it.
+that rate; at F lanes, and in bands of one lane count, tokens count as they are. A ratio
+of two estimates, the count does not move as the cost table's estimates all drift
+together (a warm-up's seeds, timed without a round's host work, giving way to live
+rounds); counted in plain seconds alone, evidence recorded before such a drift would
+weigh against evidence recorded after it.
 
 Per band:
 - Exploration: a band with no evidence drafts for its first `explore_rounds` counted
