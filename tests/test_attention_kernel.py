@@ -45,10 +45,10 @@ def rounded(a: np.ndarray, dtype) -> np.ndarray:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [(mx.float32, 1e-5), (mx.bfloat16, 2e-2)])
-@pytest.mark.parametrize("rows", [1, 2, 9, 32])
+@pytest.mark.parametrize("rows", [1, 2, 9, 32, 64])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 1, 32), (2, 2, 128)])
-@pytest.mark.parametrize("slots,offsets", [([0, 1, 2], [0, 5, 40]), ([4, 0, 3], [700, 3, 291]), ([2], [1000 - 32])])
+@pytest.mark.parametrize("slots,offsets", [([0, 1, 2], [0, 5, 40]), ([4, 0, 3], [700, 3, 291]), ([2], [1000 - 64])])
 def test_kernel_attends_what_each_row_may_see(on_gpu, dtype, tolerance, rows, causal, heads, kv_heads, dim, slots, offsets):
     rng = np.random.default_rng(rows + heads + len(slots))
     capacity = 1024  # keys past a row's reach hold noise the kernel must never read
@@ -65,16 +65,17 @@ def test_kernel_attends_what_each_row_may_see(on_gpu, dtype, tolerance, rows, ca
 
 @needs_cuda
 def test_rows_it_cannot_take_are_refused(on_gpu):
-    q, pool = mx.zeros((1, 2, 33, 32)), mx.zeros((1, 2, 64, 32))
-    with pytest.raises(ValueError, match="1 to 32 rows"):
+    q, pool = mx.zeros((1, 2, 65, 32)), mx.zeros((1, 2, 128, 32))
+    with pytest.raises(ValueError, match="1 to 64 rows"):
         attention_kernel.pool_attention(q, pool, pool, mx.array([0]), mx.array([0]), 1.0, True)
 
 
 def test_which_rounds_and_shapes_take_it():
     assert attention_kernel.takes(1, 9, 1024) and attention_kernel.takes(3, 32, attention_kernel.MAX_KEYS)
+    assert attention_kernel.takes(1, 64, 1024)  # a joining lane's chat prompt, read padded to 64 rows
     assert attention_kernel.takes(2, 1, 256) and attention_kernel.takes(16, 1, attention_kernel.MAX_KEYS)
     assert not attention_kernel.takes(1, 1, 256)  # one lane's step keeps the backend's decoding kernel
-    assert not attention_kernel.takes(1, 33, 256) and not attention_kernel.takes(4, 9, attention_kernel.MAX_KEYS + 1)
+    assert not attention_kernel.takes(1, 65, 256) and not attention_kernel.takes(4, 9, attention_kernel.MAX_KEYS + 1)
     assert not attention_kernel.takes(16, 1, attention_kernel.MAX_KEYS + 1)
     if attention_kernel.available():
         assert attention_kernel.serves(32, 8, 64) and attention_kernel.serves(4, 2, 32)
@@ -150,8 +151,8 @@ def test_rounds_through_the_kernel_path_equal_the_operations_on_the_cpu(wide_hea
     target_calls = len(calls)
     ops_logits, ops_pools = run_rounds(serving(wide_heads, False)[0])
     attention_layers = sum(layer.is_attention for layer in by_kernel.model.layers)
-    # the 12-row prefill, three one-row steps of the three lanes and the 5-row verify
-    assert calls == [True] * 5 * attention_layers and target_calls == len(calls)
+    # the 12-row prefill, the 64-row steady read, three one-row steps of the three lanes and the 5-row verify
+    assert calls == [True] * 6 * attention_layers and target_calls == len(calls)
     for got, expected in zip(kernel_logits + kernel_pools, ops_logits + ops_pools):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     calls.clear()

@@ -24,7 +24,7 @@ def rounded(a: np.ndarray, dtype) -> np.ndarray:
 
 @needs_cuda
 @pytest.mark.parametrize("dtype,tolerance", [(mx.bfloat16, 2e-2), (mx.float32, 1e-5)])
-@pytest.mark.parametrize("width,keep", [(1, True), (1, False), (2, False), (9, False), (32, False)])
+@pytest.mark.parametrize("width,keep", [(1, True), (1, False), (2, False), (9, False), (32, False), (48, False), (64, False)])
 @pytest.mark.parametrize("slots", [[0, 1, 2], [4, 0, 2, 5], [3]])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_conv_equals_the_operations(on_gpu, dtype, tolerance, width, keep, slots, with_bias):
@@ -55,22 +55,27 @@ def test_gated_conv_equals_the_operations(on_gpu, dtype, tolerance, width, keep,
 
 @needs_cuda
 def test_rounds_it_cannot_take_are_refused(on_gpu):
-    z, pool, slots = mx.zeros((33, 3 * HIDDEN)), mx.zeros((SLOTS, TAPS - 1, HIDDEN)), mx.array([0], dtype=mx.int32)
-    with pytest.raises(ValueError, match="1 to 32 rows"):
-        conv_kernel.gated_conv(z, pool, slots, mx.zeros((HIDDEN, TAPS)), None, 33, False)
+    z, pool, slots = mx.zeros((65, 3 * HIDDEN)), mx.zeros((SLOTS, TAPS - 1, HIDDEN)), mx.array([0], dtype=mx.int32)
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        conv_kernel.gated_conv(z, pool, slots, mx.zeros((HIDDEN, TAPS)), None, 65, False)
     with pytest.raises(ValueError, match="one-row round"):
         conv_kernel.gated_conv(z[:2], pool, slots, mx.zeros((HIDDEN, TAPS)), None, 2, True)
 
 
 def run_rounds(target: Lfm2Target) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Three lanes in slots 3, 0 and 2 (not contiguous, not in slot order): a ragged prefill,
-    two one-row steps, a 5-row verify kept in part, a step."""
+    a steady read of 40 rows each (padded to 64, as a joining lane's chat prompt), two
+    one-row steps, a 5-row verify kept in part, a step."""
     rng = np.random.default_rng(3)
     opened = [target.open_lane() for _ in range(4)]
     lanes = [opened[3], opened[0], opened[2]]
     logits = []
     out = target.forward(lanes, [[int(t) for t in rng.integers(15, 500, n)] for n in (7, 12, 3)], logits="last")
     target.commit(out, [7, 12, 3])
+    logits.append(out.logits)
+    out = target.forward(lanes, [[int(t) for t in rng.integers(15, 500, 40)] for _ in lanes], logits="last", steady=True)
+    assert out.widths == [64] * 3
+    target.commit(out, [40] * 3)
     logits.append(out.logits)
     for kept in ([1, 1, 1], [1, 1, 1], [2, 5, 1], [1, 1, 1]):
         width = max(kept)
@@ -125,8 +130,8 @@ def emulated_kept_states(windows, pools, slots, kept):
 def test_rounds_through_the_kernels_path_equal_the_operations_on_the_cpu(dense_dir, monkeypatch):
     # The kernels' wiring (which rounds take them, slot ids, the kept pool of a one-row
     # round, commit rebuilding every layer at once) checked in CI with the kernels emulated.
-    monkeypatch.setattr(conv_kernel, "gated_conv", emulated_gated_conv)
-    monkeypatch.setattr(conv_kernel, "kept_states", emulated_kept_states)
+    widths = []
+    monkeypatch.setattr(conv_kernel, "gated_conv", lambda *args: widths.append(args[5]) or emulated_gated_conv(*args))
     by_kernel = Lfm2Target(*load_model(dense_dir), max_lanes=4)
     convs = [layer.conv for layer in by_kernel.model.layers if not layer.is_attention]
     for conv in convs:
@@ -135,7 +140,10 @@ def test_rounds_through_the_kernels_path_equal_the_operations_on_the_cpu(dense_d
     monkeypatch.setattr(conv_kernel, "kept_states", lambda *args: calls.append(len(args[0])) or emulated_kept_states(*args))
     kernel_logits, kernel_pools = run_rounds(by_kernel)
     ops_logits, ops_pools = run_rounds(Lfm2Target(*load_model(dense_dir), max_lanes=4))
-    assert calls == [len(convs)] * 2  # the prefill and the verify, every conv layer at once
+    assert calls == [len(convs)] * 3  # the prefill, the read and the verify, every conv layer at once
+    # Every round but the ragged prefill by the kernel: the steady read, the steps and the
+    # verify, each shape once (a compiled round calls it while its trace is built).
+    assert widths == [w for w in (64, 1, 5) for _ in convs]
     for got, expected in zip(kernel_logits + kernel_pools, ops_logits + ops_pools):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -2,7 +2,8 @@
 kernel.
 
 As MLX operations, a verify window's or a drafter block's attention (2-32 rows per lane,
-where the backend's fused kernel would plan per shape, see model.py), and a one-row step's
+where the backend's fused kernel would plan per shape, see model.py), a joining lane's
+chat prompt read padded to 64 rows (the matmuls again), and a one-row step's
 of several lanes (whose masks the fused decoding kernel does not take: on the H200 it
 gave way to a batched GEMV, a pointer-array GEMM and their setup, about 90 us of device
 time per layer at 16 lanes, bench/results/gpu/session16/kernels-dc633b9), is the pool's keys
@@ -37,7 +38,7 @@ import mlx.core as mx
 from .cuda import available as available  # re-exported: where this kernel can serve
 
 WARPS = 8
-MAX_ROWS = 32
+MAX_ROWS = 64
 MAX_KEYS = 4096
 
 # Template constants: T (dtype), D (head dim, a multiple of 32), G (query heads per KV

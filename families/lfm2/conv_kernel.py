@@ -61,9 +61,11 @@ _SOURCE = """
     }
 """
 
-# A window of more rows than this holds too many registers per thread: such rounds (long
-# prompt chunks) take the operations.
-MAX_ROWS = 32
+# A thread holds its lane's window of L - 1 + W rows. Up to 64 rows per lane, a chat
+# prompt's read as the engine pads it, take the kernel (its window spills from registers
+# to local memory past about 32 rows, which costs the GPU less than the six or seven
+# operations cost the host); longer prompt chunks take the operations.
+MAX_ROWS = 64
 
 
 _kernel = None

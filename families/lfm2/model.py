@@ -20,9 +20,9 @@ from .config import Lfm2Config
 
 # Queries up to this many rows per lane (decode steps, verify windows, draft blocks) are
 # attended with plain matmuls, or on CUDA by `attention_kernel` straight from the KV pool
-# (see Attention.core): the fused kernel of a GPU backend may build a plan for
-# every new shape (cuDNN's take tens of milliseconds), and these shapes change from
-# round to round. Longer queries (prompt chunks) take the fused kernel, except where the
+# (see Attention.core; it also takes prompt chunks up to its MAX_ROWS): the fused kernel
+# of a GPU backend may build a plan for every new shape (cuDNN's take tens of
+# milliseconds), and these shapes change from round to round. Longer queries (prompt chunks) take the fused kernel, except where the
 # backend plans per shape: there only chunks of a multiple of STEADY_QUERY rows do. A
 # full chunk's shape recurs from prompt to prompt (its keys end at a chunk boundary),
 # while a prompt's last, partial chunk is a new length almost every request: on the H200
