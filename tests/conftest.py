@@ -10,7 +10,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from families.lfm2.tiny import make_tiny_target
+from families.lfm2.tiny import TinyShape, make_tiny_target
 from families.lfm2.tiny_drafter import make_tiny_drafter
 
 
@@ -38,6 +38,14 @@ def drafter_dir(dense_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def moe_drafter_dir(moe_dir, tmp_path_factory):
     return make_tiny_drafter(tmp_path_factory.mktemp("moe_drafter"), moe_dir, seed=6, block_size=9)
+
+
+@pytest.fixture(scope="session")
+def wide_heads(tmp_path_factory):
+    """A tiny target and drafter whose heads are 32 wide (the attention kernel takes multiples of 32)."""
+    target = make_tiny_target(tmp_path_factory.mktemp("wide_target"), "lfm2", seed=3, shape=TinyShape(hidden=128))
+    drafter = make_tiny_drafter(tmp_path_factory.mktemp("wide_drafter"), target, seed=4, block_size=9, head_dim=32)
+    return target, drafter
 
 
 @pytest.fixture(autouse=True, scope="session")

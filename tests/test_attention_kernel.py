@@ -15,8 +15,6 @@ import pytest
 from families.lfm2 import Lfm2Target, attention_kernel, load_model
 from families.lfm2.drafter import load_drafter
 from families.lfm2.model import attend
-from families.lfm2.tiny import TinyShape, make_tiny_target
-from families.lfm2.tiny_drafter import make_tiny_drafter
 from tests.cuda import needs_cuda
 from tests.test_conv_kernel import run_rounds
 
@@ -80,14 +78,6 @@ def test_which_rounds_and_shapes_take_it():
     if attention_kernel.available():
         assert attention_kernel.serves(32, 8, 64) and attention_kernel.serves(4, 2, 32)
     assert not attention_kernel.serves(4, 2, 16) and not attention_kernel.serves(64, 1, 128)
-
-
-@pytest.fixture(scope="module")
-def wide_heads(tmp_path_factory):
-    """A tiny target and drafter whose heads are 32 wide (the kernel takes multiples of 32)."""
-    target = make_tiny_target(tmp_path_factory.mktemp("wide_target"), "lfm2", seed=3, shape=TinyShape(hidden=128))
-    drafter = make_tiny_drafter(tmp_path_factory.mktemp("wide_drafter"), target, seed=4, block_size=9, head_dim=32)
-    return target, drafter
 
 
 def proposals(target: Lfm2Target, drafter) -> list[np.ndarray]:

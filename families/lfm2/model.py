@@ -14,7 +14,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention_kernel, conv_kernel, expert_kernel, row_kernel
+from . import attention_kernel, conv_kernel, expert_kernel, heads_kernel, row_kernel
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -251,6 +251,7 @@ class Attention(nn.Module):
     """GQA with per-head RMSNorm on q and k before split-half ("neox") RoPE."""
 
     by_kernel = False  # a few rows per lane attended by `attention_kernel` (see Lfm2Model.serve_by_rows)
+    heads_by_kernel = False  # q, k and v heads normed and rotated by `heads_kernel` (likewise)
 
     def __init__(self, cfg: Lfm2Config):
         super().__init__()
@@ -298,6 +299,10 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
         """Packed rows -> q, k, v `[N, heads, W, D]` at the lanes' positions (RoPE applied)."""
+        if self.heads_by_kernel and layout.uniform:
+            return heads_kernel.project_heads(
+                self.qkv_proj(x), self.q_layernorm.weight, self.k_layernorm.weight, layout.offsets_array, heads=self.heads,
+                kv_heads=self.kv_heads, width=layout.width, eps=self.q_layernorm.eps, base=self.rope_theta, traditional=False)
         q, k, v = self.qkv(x, layout)
         offset = layout.rope_offset()
         return self.rope(q, offset), self.rope(k, offset), v
@@ -521,12 +526,14 @@ class Lfm2Model(nn.Module):
         """Serve a few rows times the weights by `row_products`, the tied head too where
         its table is not quantized, a few rows times their experts by `expert_kernel`, each
         conv layer's gated conv by `conv_kernel` and a few query rows per lane by
-        `attention_kernel` (a GPU backend's choice, see there)."""
+        `attention_kernel`, and their q, k and v heads by `heads_kernel` (a GPU backend's
+        choice, see there)."""
         serve_linears_by_rows(self)
         for layer in self.layers:
             if layer.is_attention:
                 attn = layer.self_attn
                 attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
+                attn.heads_by_kernel = heads_kernel.serves("qkv_proj" in attn, attn.head_dim)
             else:
                 layer.conv.by_kernel = conv_kernel.available()
             if isinstance(layer.feed_forward, SparseMoE):

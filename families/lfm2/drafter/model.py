@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import attention_kernel
+from .. import attention_kernel, heads_kernel
 from ..cache import KVPool, RaggedLayout
 from ..model import attend, heads_first, merge_parts, swiglu
 from .config import DSparkConfig
@@ -17,6 +17,7 @@ class DSparkAttention(nn.Module):
     The block's queries attend over the lane's context keys and the whole block."""
 
     by_kernel = False  # the block attended by `attention_kernel` (set by DSparkDrafter where it serves)
+    heads_by_kernel = False  # q, k and v heads normed and rotated by `heads_kernel` (likewise)
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
@@ -52,14 +53,26 @@ class DSparkAttention(nn.Module):
     def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D].
         Merged projections compute q too and drop it: one matmul beats two on these few rows."""
+        if self.heads_by_kernel and isinstance(offset, mx.array):
+            return self._heads(x, offset, want_q=False)[1:]
         _, k, v = self.qkv(x)
         return self.rope(k, offset), v
 
     def project(self, x: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
         """Block rows `[N, g, H]` -> q, k, v `[N, heads, g, D]` at the block's positions."""
+        if self.heads_by_kernel:
+            return self._heads(x, layout.offsets_array)
         offset = layout.rope_offset()
         q, k, v = self.qkv(x)
         return self.rope(q, offset), self.rope(k, offset), v
+
+    def _heads(self, x: mx.array, offsets: mx.array, want_q: bool = True) -> tuple[mx.array | None, mx.array, mx.array]:
+        """`heads_kernel` over rows `[N, T, H]` at positions offsets[n] + t."""
+        n, t, _ = x.shape
+        return heads_kernel.project_heads(
+            self.qkv_proj(x).reshape(n * t, -1), self.q_norm.weight, self.k_norm.weight, offsets, heads=self.heads,
+            kv_heads=self.kv_heads, width=t, eps=self.q_norm.eps, base=self.rope_theta, traditional=self.rope_traditional,
+            want_q=want_q)
 
     def core(self, q: mx.array, k: mx.array, v: mx.array, layout: RaggedLayout, slots: list[int], pool: KVPool, mask) -> mx.array:
         """The block's keys go to the pool just past the committed context (read this

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import attention_kernel, cuda
+from .. import attention_kernel, cuda, heads_kernel
 from ..cache import (
     DeviceLengths,
     KVPool,
@@ -140,6 +140,7 @@ class DSparkDrafter:
             for layer in model.layers:
                 attn = layer.self_attn
                 attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
+                attn.heads_by_kernel = heads_kernel.serves("qkv_proj" in attn, attn.head_dim)
         markov = model.markov_head
         serves = cuda.available() and FusedGreedyChain.serves(markov.markov_w1, markov.markov_w2)
         self.fused_chain = FusedGreedyChain(markov.markov_w1, markov.markov_w2) if serves else None
