@@ -1,6 +1,6 @@
 """Whether work runs on MLX's CUDA backend: where laneserve's own CUDA kernels
-(`row_kernel`, `expert_kernel`, `conv_kernel`, `attention_kernel`, the drafter's greedy
-chain) can serve, and where the backend plans per shape (`cache.plans_per_shape`)."""
+(`row_kernel`, `expert_kernel`, `conv_kernel`, `attention_kernel`, `heads_kernel`, the
+drafter's greedy chain) can serve, and where the backend plans per shape (`cache.plans_per_shape`)."""
 
 from __future__ import annotations
 
