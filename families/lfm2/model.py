@@ -14,7 +14,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import attention_kernel, conv_kernel, expert_kernel, heads_kernel, row_kernel
+from . import attention_kernel, conv_kernel, expert_kernel, heads_kernel, residual_kernel, row_kernel
+from .residual_kernel import add_norm
 from .cache import ConvPool, KVPool, RaggedLayout, plans_per_shape
 from .config import Lfm2Config
 
@@ -504,6 +505,8 @@ class DecoderLayer(nn.Module):
 
 
 class Lfm2Model(nn.Module):
+    residual_by_kernel = False  # each residual add and the norm after it by `residual_kernel` (see serve_by_rows)
+
     def __init__(self, cfg: Lfm2Config, ffn_widths: list[int]):
         super().__init__()
         self.config = cfg
@@ -526,9 +529,10 @@ class Lfm2Model(nn.Module):
         """Serve a few rows times the weights by `row_products`, the tied head too where
         its table is not quantized, a few rows times their experts by `expert_kernel`, each
         conv layer's gated conv by `conv_kernel` and a few query rows per lane by
-        `attention_kernel`, and their q, k and v heads by `heads_kernel` (a GPU backend's
-        choice, see there)."""
+        `attention_kernel`, their q, k and v heads by `heads_kernel`, and each residual
+        add with the norm after it by `residual_kernel` (a GPU backend's choice, see there)."""
         serve_linears_by_rows(self)
+        self.residual_by_kernel = residual_kernel.available()
         for layer in self.layers:
             if layer.is_attention:
                 attn = layer.self_attn
@@ -607,21 +611,28 @@ class Lfm2Model(nn.Module):
         (KV pool writes and attention over each lane's keys) run between segments.
         `keep` (one-row rounds): each conv pool is left holding its lanes' states with
         their row kept."""
-        tapped, windows = [], {}
+        # Each residual add goes with the norm after it (`add_norm`): `normed` is the
+        # next layer's normed input, from the add that ended the layer before.
+        tapped, windows, normed = [], {}, None
         for i in self.segment_layers(j):
             layer = self.layers[i]
             if layer.is_attention:  # finished from its core's output
-                h = h + layer.self_attn.finish(attended, layout)
+                r = layer.self_attn.finish(attended, layout)
             else:
-                r, windows[i] = layer.conv.ragged(layer.operator_norm(h), layout, slots, conv[i], keep)
-                h = h + r
-            h = h + layer.feed_forward(layer.ffn_norm(h))
+                normed = layer.operator_norm(h) if normed is None else normed
+                r, windows[i] = layer.conv.ragged(normed, layout, slots, conv[i], keep)
+            h, normed = add_norm(h, r, layer.ffn_norm, self.residual_by_kernel)
+            r = layer.feed_forward(normed)
+            if i + 1 < len(self.layers):
+                h, normed = add_norm(h, r, self.layers[i + 1].operator_norm, self.residual_by_kernel)
+            else:
+                h, normed = h + r, None
             if i in taps:
                 tapped.append(h)
         qkv = None
         if j < len(self.config.attention_layers):
             layer = self.layers[self.config.attention_layers[j]]
-            qkv = layer.self_attn.project(layer.operator_norm(h), layout)
+            qkv = layer.self_attn.project(layer.operator_norm(h) if normed is None else normed, layout)
         return h, qkv, tapped, windows
 
     def segment_layers(self, j: int) -> range:

@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import attention_kernel, heads_kernel
+from ..residual_kernel import add_norm
 from ..cache import KVPool, RaggedLayout
 from ..model import attend, heads_first, merge_parts, swiglu
 from .config import DSparkConfig
@@ -53,7 +54,7 @@ class DSparkAttention(nn.Module):
     def keys_values(self, x: mx.array, offset) -> tuple[mx.array, mx.array]:
         """[N, T, H] rows at positions offset.. -> roped keys and values [N, kv_heads, T, D].
         Merged projections compute q too and drop it: one matmul beats two on these few rows."""
-        if self.heads_by_kernel and isinstance(offset, mx.array):
+        if self.heads_by_kernel:  # serving: `offset` is each row's position, an array
             return self._heads(x, offset, want_q=False)[1:]
         _, k, v = self.qkv(x)
         return self.rope(k, offset), v
@@ -117,13 +118,12 @@ class DSparkLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = DSparkMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def project(self, h: mx.array, layout: RaggedLayout) -> tuple[mx.array, mx.array, mx.array]:
-        return self.self_attn.project(self.input_layernorm(h), layout)
-
-    def finish(self, h: mx.array, attended: mx.array) -> mx.array:
-        """The rest of the layer once its attention core has run."""
-        h = h + self.self_attn.finish(attended)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def finish(self, h: mx.array, attended: mx.array, next_norm: nn.RMSNorm, by_kernel: bool) -> tuple[mx.array, mx.array]:
+        """The rest of the layer once its attention core has run -> the residual rows and
+        `next_norm` of them (the next layer's input norm, or the final one): each
+        residual add goes with the norm after it (`add_norm`)."""
+        h, normed = add_norm(h, self.self_attn.finish(attended), self.post_attention_layernorm, by_kernel)
+        return add_norm(h, self.mlp(normed), next_norm, by_kernel)
 
 
 class MarkovHead(nn.Module):
@@ -165,10 +165,3 @@ class DSparkModel(nn.Module):
     def context(self, taps: mx.array) -> mx.array:
         """Taps [R, n_taps * H_target] -> context rows `hidden_norm(fc(taps))` [R, H]."""
         return self.hidden_norm(self.fc(taps))
-
-    def block(self, h: mx.array, layout: RaggedLayout, slots: list[int], pools: list[KVPool], mask) -> mx.array:
-        """Embedded block [N, g, H] -> final-normed hidden rows `h_k` [N, g, H]: each
-        layer's projections, its attention core, and the rest of it."""
-        for layer, pool in zip(self.layers, pools):
-            h = layer.finish(h, layer.self_attn.core(*layer.project(h, layout), layout, slots, pool, mask))
-        return self.norm(h)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .. import attention_kernel, cuda, heads_kernel
+from .. import attention_kernel, cuda, heads_kernel, residual_kernel
 from ..cache import (
     DeviceLengths,
     KVPool,
@@ -135,8 +135,10 @@ class DSparkDrafter:
         for layer in model.layers:
             layer.self_attn.merge_projections()
             layer.mlp.merge_projections()
+        self.residual_by_kernel = False  # each residual add and the norm after it by `residual_kernel`
         if plans_per_shape() if by_rows is None else by_rows:
             serve_linears_by_rows(model)
+            self.residual_by_kernel = residual_kernel.available()
             for layer in model.layers:
                 attn = layer.self_attn
                 attn.by_kernel = attention_kernel.serves(attn.heads, attn.kv_heads, attn.head_dim)
@@ -339,15 +341,16 @@ class DSparkDrafter:
         cfg, layers = self.config, self.model.layers
         offsets, anchors = args[-1], args[-2]  # the anchors come to the first and the last segment
         layout = RaggedLayout([g] * offsets.shape[0], None, offsets_array=offsets)
+        next_norm = layers[j].input_layernorm if j < len(layers) else self.model.norm
         if j == 0:
             block = mx.concatenate([anchors[:, None], mx.full((anchors.shape[0], g - 1), cfg.mask_token_id, dtype=mx.int32)], axis=1)
             h = self.embed(block).astype(self.dtype)
+            normed = next_norm(h)
         else:
-            h = layers[j - 1].finish(args[0], args[1])
+            h, normed = layers[j - 1].finish(args[0], args[1], next_norm, self.residual_by_kernel)
         if j < len(layers):
-            return [h, *layers[j].project(h, layout)]
-        h = self.model.norm(h)
-        return self._chain(h, anchors, None, chain_logits, confidences) if greedy else [h]
+            return [h, *layers[j].self_attn.project(normed, layout)]
+        return self._chain(normed, anchors, None, chain_logits, confidences) if greedy else [normed]
 
     def _chain(self, h: mx.array, anchors: mx.array, pick: Pick | None, keep_logits: bool, want_confidences: bool) -> list[mx.array]:
         """Block rows `h [N, g, H]` -> tokens, faults, the confidences (where there is a
