@@ -462,6 +462,29 @@ MUTANTS: tuple[Mutant, ...] = (
               "    return isinstance(error, MemoryError)\n"),),
         ("tests/test_cli_errors.py",),
     ),
+    Mutant(
+        "residual-add-normed-by-its-own-layer",
+        "each layer's second residual add is normed by the layer's own feed-forward norm instead of the next "
+        "layer's input norm (the operations on the CPU, the residual kernel on CUDA)",
+        (Edit("families/lfm2/model.py", "add_norm(h, r, self.layers[i + 1].operator_norm, self.residual_by_kernel)",
+              "add_norm(h, r, layer.ffn_norm, self.residual_by_kernel)"),),
+        ("tests/test_lfm2_rounds.py", "tests/test_lfm2_parity.py"),
+    ),
+    Mutant(
+        "heads-kernel-at-the-first-lanes-position",
+        "on CUDA, every lane's q and k heads are rotated at the first lane's positions (the heads kernel's path)",
+        (Edit("families/lfm2/model.py", "self.k_layernorm.weight, layout.offsets_array, heads=self.heads,",
+              "self.k_layernorm.weight, layout.offsets_array * 0 + layout.offsets_array[0], heads=self.heads,"),),
+        ("tests/test_heads_kernel.py",),
+    ),
+    Mutant(
+        "drafter-context-heads-kernel-at-position-zero",
+        "on CUDA, a drafter's appended context keys are rotated as if every row sat at position 0 (the heads "
+        "kernel's path)",
+        (Edit("families/lfm2/drafter/model.py", "return self._heads(x, offset, want_q=False)[1:]",
+              "return self._heads(x, offset * 0, want_q=False)[1:]"),),
+        ("tests/test_heads_kernel.py",),
+    ),
 )
 
 
