@@ -153,9 +153,11 @@ def test_rounds_through_the_kernel_path_equal_the_operations_on_the_cpu(wide_hea
 
 
 def test_the_cpu_keeps_the_operations(wide_heads):
+    # Neither this kernel, nor the heads and residual kernels, ever serve on the CPU.
     target_dir, drafter_dir = wide_heads
     model, cfg = load_model(target_dir, dtype="float32")
     Lfm2Target(model, cfg, max_lanes=2, by_rows=True)
     drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=2, by_rows=True)
-    assert not any(layer.self_attn.by_kernel for layer in model.layers if layer.is_attention)
-    assert not any(layer.self_attn.by_kernel for layer in drafter.model.layers)
+    attentions = [layer.self_attn for layer in model.layers if layer.is_attention] + [layer.self_attn for layer in drafter.model.layers]
+    assert not any(attn.by_kernel or attn.heads_by_kernel for attn in attentions)
+    assert not model.residual_by_kernel and not drafter.residual_by_kernel

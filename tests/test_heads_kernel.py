@@ -4,11 +4,9 @@ row's position (split-half pairs or interleaved), and v, all heads first, as the
 RoPE do within the dtype's rounding; a target and a drafter serving their heads by it run
 rounds and proposals as the operations do. The kernel tests run only where MLX has its CUDA
 backend; on the CPU the same rounds run through the kernel's path with the kernel emulated
-as operations, and serving never takes the kernel there."""
+as operations, and serving never takes the kernel there (tests/test_attention_kernel.py)."""
 
 from __future__ import annotations
-
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -155,12 +153,3 @@ def test_rounds_through_the_kernel_path_equal_the_operations_on_the_cpu(wide_hea
     assert context and all(c == (1, traditional, False) for c in context)  # the appended rows' keys and values
     assert [c for c in calls if c[2]] == [(block, traditional, True)] * drafter_layers  # one trace of the block
 
-
-def test_the_cpu_keeps_the_operations(wide_heads):
-    target_dir, drafter_dir = wide_heads
-    model, cfg = load_model(target_dir, dtype="float32")
-    Lfm2Target(model, cfg, max_lanes=2, by_rows=True)
-    drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=2, by_rows=True)
-    assert not any(layer.self_attn.heads_by_kernel for layer in model.layers if layer.is_attention)
-    assert not any(layer.self_attn.heads_by_kernel for layer in drafter.model.layers)
-    assert math.isclose(heads_kernel.float_bits(1.0), 0x3F800000)

@@ -3,7 +3,7 @@
 the norm's within the dtype's rounding; a target and a drafter serving their residual adds by
 it run rounds and proposals as the operations do. The kernel tests run only where MLX has
 its CUDA backend; on the CPU the same rounds run through the kernel's path with the kernel
-emulated as operations, and serving never takes the kernel there."""
+emulated as operations, and serving never takes the kernel there (tests/test_attention_kernel.py)."""
 
 from __future__ import annotations
 
@@ -89,10 +89,3 @@ def test_rounds_through_the_kernel_path_equal_the_operations_on_the_cpu(wide_hea
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     assert len(calls) == 2 * len(drafter.model.layers)  # one trace of the block: every add, the last with the final norm
 
-
-def test_the_cpu_keeps_the_operations(wide_heads):
-    target_dir, drafter_dir = wide_heads
-    model, cfg = load_model(target_dir, dtype="float32")
-    Lfm2Target(model, cfg, max_lanes=2, by_rows=True)
-    drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=2, by_rows=True)
-    assert not model.residual_by_kernel and not drafter.residual_by_kernel
