@@ -99,12 +99,21 @@ def proposals(target: Lfm2Target, drafter) -> list[np.ndarray]:
     return out
 
 
-def serving(dirs, by_kernel: bool):
+def served(dirs) -> tuple[Lfm2Target, object]:
+    """A float32 target and drafter from `dirs`, each serving as the CPU does."""
     target_dir, drafter_dir = dirs
     model, cfg = load_model(target_dir, dtype="float32")
-    target = Lfm2Target(model, cfg, max_lanes=4)
-    drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=3)
-    for attn in [layer.self_attn for layer in model.layers if layer.is_attention] + [layer.self_attn for layer in drafter.model.layers]:
+    return Lfm2Target(model, cfg, max_lanes=4), load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=3)
+
+
+def attentions(target: Lfm2Target, drafter) -> list:
+    """Every attention module of the target and the drafter."""
+    return [layer.self_attn for layer in target.model.layers if layer.is_attention] + [layer.self_attn for layer in drafter.model.layers]
+
+
+def serving(dirs, by_kernel: bool):
+    target, drafter = served(dirs)
+    for attn in attentions(target, drafter):
         attn.by_kernel = by_kernel
     return target, drafter
 

@@ -12,10 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from families.lfm2 import Lfm2Target, heads_kernel, load_model
-from families.lfm2.drafter import load_drafter
+from families.lfm2 import heads_kernel
 from tests.cuda import needs_cuda
-from tests.test_attention_kernel import proposals, rounded
+from tests.test_attention_kernel import attentions, proposals, rounded, served
 from tests.test_conv_kernel import run_rounds
 
 
@@ -86,11 +85,8 @@ def test_shapes_it_cannot_take_are_refused():
 
 
 def serving(dirs, by_kernel: bool):
-    target_dir, drafter_dir = dirs
-    model, cfg = load_model(target_dir, dtype="float32")
-    target = Lfm2Target(model, cfg, max_lanes=4)
-    drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=3)
-    for attn in [layer.self_attn for layer in model.layers if layer.is_attention] + [layer.self_attn for layer in drafter.model.layers]:
+    target, drafter = served(dirs)
+    for attn in attentions(target, drafter):
         assert "qkv_proj" in attn
         attn.heads_by_kernel = by_kernel
     return target, drafter

@@ -11,10 +11,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from families.lfm2 import Lfm2Target, load_model, residual_kernel
-from families.lfm2.drafter import load_drafter
+from families.lfm2 import residual_kernel
 from tests.cuda import needs_cuda
-from tests.test_attention_kernel import proposals, rounded
+from tests.test_attention_kernel import proposals, rounded, served
 from tests.test_conv_kernel import run_rounds
 
 
@@ -43,11 +42,8 @@ def test_rows_that_do_not_add_are_refused():
 
 
 def serving(dirs, by_kernel: bool):
-    target_dir, drafter_dir = dirs
-    model, cfg = load_model(target_dir, dtype="float32")
-    target = Lfm2Target(model, cfg, max_lanes=4)
-    drafter = load_drafter(drafter_dir, model, cfg, dtype="float32", max_lanes=3)
-    model.residual_by_kernel = drafter.residual_by_kernel = by_kernel
+    target, drafter = served(dirs)
+    target.model.residual_by_kernel = drafter.residual_by_kernel = by_kernel
     return target, drafter
 
 
