@@ -108,11 +108,12 @@ def project_heads(rows: mx.array, q_weight: mx.array, k_weight: mx.array, offset
                                       output_names=["q", "k", "v"], source=_SOURCE)
     dtype = rows.dtype
     threads = total * (heads + 2 * kv_heads) * 32
+    kv_shape = (lanes, kv_heads, width, dim)
     q, k, v = _kernel(
         inputs=[rows, q_weight.astype(dtype), k_weight.astype(dtype), offsets.astype(mx.int32)],
         template=[("T", dtype), ("D", dim), ("HQ", heads), ("HKV", kv_heads), ("W", width), ("TRADITIONAL", traditional),
                   ("WANT_Q", want_q), ("EPS_BITS", float_bits(eps)), ("LOG2_BASE_BITS", float_bits(math.log2(base)))],
         grid=(-(-threads // THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(lanes, heads, width, dim) if want_q else (1,), (lanes, kv_heads, width, dim), (lanes, kv_heads, width, dim)],
+        output_shapes=[(lanes, heads, width, dim) if want_q else (1,), kv_shape, kv_shape],
         output_dtypes=[dtype, dtype, dtype])
     return (q if want_q else None), k, v

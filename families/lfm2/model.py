@@ -23,13 +23,14 @@ from .config import Lfm2Config
 # attended with plain matmuls, or on CUDA by `attention_kernel` straight from the KV pool
 # (see Attention.core; it also takes prompt chunks up to its MAX_ROWS): the fused kernel
 # of a GPU backend may build a plan for every new shape (cuDNN's take tens of
-# milliseconds), and these shapes change from round to round. Longer queries (prompt chunks) take the fused kernel, except where the
-# backend plans per shape: there only chunks of a multiple of STEADY_QUERY rows do. A
-# full chunk's shape recurs from prompt to prompt (its keys end at a chunk boundary),
-# while a prompt's last, partial chunk is a new length almost every request: on the H200
-# a new 1,000-token prompt took 101 ms to read where one of a length seen before took 31.
-# A partial chunk over a long context still takes the fused kernel: its plan is small
-# beside its work there, and the matmul path would hold all of its scores at once.
+# milliseconds), and these shapes change from round to round. Longer queries (prompt
+# chunks) take the fused kernel, except where the backend plans per shape: there only
+# chunks of a multiple of STEADY_QUERY rows do. A full chunk's shape recurs from prompt
+# to prompt (its keys end at a chunk boundary), while a prompt's last, partial chunk is
+# a new length almost every request: on the H200 a new 1,000-token prompt took 101 ms
+# to read where one of a length seen before took 31. A partial chunk over a long context
+# still takes the fused kernel: its plan is small beside its work there, and the matmul
+# path would hold all of its scores at once.
 SMALL_QUERY = 32
 STEADY_QUERY = 256
 MATMUL_SCORES = 2**27  # scores (lanes x heads x rows x keys) a partial chunk's matmuls may hold
