@@ -30,7 +30,9 @@ copied per step instead of updated in place shows as a slower step).
 
 Each is run for `--seconds`, in turns (`--turns`, the systems alternate within a turn),
 and reported as the median milliseconds of its steps with the spread of the turns'
-medians. `ops` counts the primitives in one step's graph once warm (as `mx.export_to_dot` sees
+medians. `build ms` is the median host time of making a step's lazy graph, before any of
+it is evaluated (Python, and the calls into compiled segments, which replay their traced
+graphs), over 20 builds. `ops` counts the primitives in one step's graph once warm (as `mx.export_to_dot` sees
 them: under `mx.compile` a fused elementwise chain is one); `kernels` leaves out the
 ones that only make views (reshape, slice, broadcast, ...), which launch nothing.
 Writes NAME.json and NAME.md under --out when given, each with its command, commit and
@@ -161,6 +163,19 @@ def evaluated(build):
     return lambda: mx.eval(build())
 
 
+BUILDS = 20  # builds timed per system for its `build ms`
+
+
+def build_seconds(build) -> float:
+    """The host's time to make one step's lazy graph (nothing evaluated yet), then its
+    evaluation, untimed, so the next build starts from the state a step leaves."""
+    began = time.perf_counter()
+    outputs = build.build()
+    seconds = time.perf_counter() - began
+    mx.eval(outputs)
+    return seconds
+
+
 class System:
     """One copy of the families package (`pkg`: `families`, or an earlier copy importable
     under another name) with its target and drafter loaded."""
@@ -251,6 +266,7 @@ def run(args, saved=lambda result: None) -> dict:
             outputs = build.build()
             cell[name]["ops"] = count_ops(outputs)
             mx.eval(outputs)
+            cell[name]["build_ms"] = statistics.median(build_seconds(build) for _ in range(BUILDS)) * 1e3
         for turn in range(args.turns):
             order = list(steps) if turn % 2 == 0 else list(reversed(steps))
             for name in order:
@@ -267,7 +283,8 @@ def run(args, saved=lambda result: None) -> dict:
         result["lanes"][lanes] = cell
         saved(result)
         print(f"lanes {lanes}: " + "; ".join(
-            f"{name} {c['median_ms']:.3f} ms [{c['spread_ms'][0]:.3f}, {c['spread_ms'][1]:.3f}] cpu {c['cpu_ms']:.3f}" + (f" ops {c['ops'][0]} kernels {c['ops'][1]}" if "ops" in c else "")
+            f"{name} {c['median_ms']:.3f} ms [{c['spread_ms'][0]:.3f}, {c['spread_ms'][1]:.3f}] cpu {c['cpu_ms']:.3f}"
+            + (f" build {c['build_ms']:.3f} ops {c['ops'][0]} kernels {c['ops'][1]}" if "ops" in c else "")
             for name, c in cell.items()), flush=True)
     if args.reserve:
         result["reserved"] = reserve_check(systems, args, rng)
@@ -302,11 +319,13 @@ def markdown(result: dict) -> str:
     lines = [markdown_line(result), "",
              (f"Context {result['context']}, dtype {result['dtype'] or 'as stored'}, {result['turns']} turns of "
              f"{result['seconds']} s per system; families packages: {', '.join(result['families'])}"), "",
-             "| lanes | system | median ms | spread of turn medians | process CPU ms | ops | kernels |", "|---|---|---|---|---|---|---|"]
+             "| lanes | system | median ms | spread of turn medians | process CPU ms | build ms | ops | kernels |",
+             "|---|---|---|---|---|---|---|---|"]
     for lanes, cell in result["lanes"].items():
         for name, c in cell.items():
-            ops = c.get("ops", ("", ""))
-            lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | {c['cpu_ms']:.3f} | {ops[0]} | {ops[1]} |")
+            ops, built = c.get("ops", ("", "")), f"{c['build_ms']:.3f}" if "build_ms" in c else ""
+            lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | "
+                         f"{c['cpu_ms']:.3f} | {built} | {ops[0]} | {ops[1]} |")
     if result.get("reserved"):
         lines += ["", "One lane's plain step, KV pools at their usual size and grown (`--reserve`):", "",
                   "| system | median ms | KV pool bytes |", "|---|---|---|"]
