@@ -31,11 +31,10 @@ launches of that session).
 
 from __future__ import annotations
 
-import struct
-
 import mlx.core as mx
 
 from .cuda import available as available  # re-exported: where this kernel can serve
+from .cuda import float_bits
 
 WARPS = 8
 MAX_ROWS = 64
@@ -166,11 +165,10 @@ def pool_attention(q: mx.array, keys: mx.array, values: mx.array, slots: mx.arra
         _kernel = mx.fast.cuda_kernel(name="laneserve_pool_attention", input_names=["q", "keys", "values", "slots", "offsets"],
                                       output_names=["o"], source=_SOURCE)
     dtype = q.dtype
-    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]
     (o,) = _kernel(
         inputs=[q, keys.astype(dtype), values.astype(dtype), slots.astype(mx.int32), offsets.astype(mx.int32)],
         template=[("T", dtype), ("D", dim), ("G", heads // kv_heads), ("CAUSAL", causal), ("WARPS", WARPS),
-                  ("SCALE_BITS", scale_bits)],
+                  ("SCALE_BITS", float_bits(scale))],
         grid=(lanes * kv_heads * rows * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(lanes, rows, heads, dim)], output_dtypes=[dtype])
     return o.transpose(0, 2, 1, 3)

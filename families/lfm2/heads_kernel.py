@@ -16,11 +16,11 @@ and v heads first and contiguous, as the attention cores and the KV pools read t
 from __future__ import annotations
 
 import math
-import struct
 
 import mlx.core as mx
 
 from .cuda import available as available  # re-exported: where this kernel can serve
+from .cuda import float_bits
 
 THREADS = 256
 
@@ -81,11 +81,6 @@ def serves(merged: bool, head_dim: int) -> bool:
     """Whether an attention layer's heads fit the kernel: q, k and v merged into one
     projection (`merge_parts`), heads of an even width, on CUDA."""
     return available() and merged and head_dim % 2 == 0
-
-
-def float_bits(value: float) -> int:
-    """The float32 bits of `value`, as a template constant carries a float."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def project_heads(rows: mx.array, q_weight: mx.array, k_weight: mx.array, offsets: mx.array, *, heads: int, kv_heads: int,

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cuda import available as available  # re-exported: where this kernel can serve
-from .heads_kernel import float_bits
+from .cuda import float_bits
 
 THREADS = 256
 
