@@ -19,20 +19,19 @@ given, each with its command, commit and machine.
 from __future__ import annotations
 
 import argparse
-import gzip
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from bench.provenance import markdown_line, provenance, write_result
-from bench.round_phases import rounds
+from bench.round_phases import open_log, rounds
 from lanes.pricing import CostTable, NoCostData
 
 
 def read_log(path: str, after: str) -> list[dict]:
     """The round lines of the log at `path` (round_phases.rounds) after the first line
     holding `after`, or all of them where none does (or `after` is empty)."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+    with open_log(path) as f:
         lines = f.readlines()
     start = next((i for i, text in enumerate(lines) if after and after in text), -1)
     return rounds(lines[start + 1:])

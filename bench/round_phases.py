@@ -32,6 +32,7 @@ import statistics
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
+from typing import TextIO
 
 from bench.provenance import markdown_line, provenance, write_result
 from lanes.round import DRAFTED_PHASES
@@ -39,6 +40,11 @@ from lanes.round import DRAFTED_PHASES
 PHASE_FIELDS = ("draft_seconds", *(f"{name}_seconds" for name in DRAFTED_PHASES if name != "draft"))
 STAMP = "%Y-%m-%d %H:%M:%S,%f"  # logging's asctime, as `laneserve serve` writes it
 IDLE_SECONDS = 1.0  # an interval longer than this held an idle engine, not a round
+
+
+def open_log(path) -> TextIO:
+    """A lane core's log as text, gzipped (`.gz`) or not."""
+    return (gzip.open if str(path).endswith(".gz") else open)(path, "rt")
 
 
 def stamp(line: str) -> datetime | None:
@@ -195,8 +201,7 @@ def main() -> None:
                         help="a bench_engine log: each drafting run at LANES streams, while every lane decodes and its tail")
     args = parser.parse_args()
     path = Path(args.log)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
+    with open_log(path) as f:
         found = rounds(f, tuple(args.between) if args.between else None)
     if not found:
         raise SystemExit(f"round_phases: {path} holds no round lines" + (f" logged from {args.between[0]} to {args.between[1]}"
