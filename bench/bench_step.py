@@ -25,8 +25,9 @@ target's compiled segments then take the slots as an array (gathered and scatter
 where slots 0..N-1 are read as views. `--families` names copies of the families package
 to compare in one process (an earlier
 commit's copy importable under another name, e.g. `base_families`); `--reserve N` also
-times one lane's plain step with the KV pools grown to N positions per slot (a pool
-copied per step instead of updated in place shows as a slower step).
+times a plain step of one lane and of the most lanes with the KV pools grown to N
+positions per slot (a pool copied per step instead of updated in place shows as a
+slower step).
 
 Each is run for `--seconds`, in turns (`--turns`, the systems alternate within a turn),
 and reported as the median milliseconds of its steps with the spread of the turns'
@@ -34,7 +35,8 @@ medians. `build ms` is the median host time of making a step's lazy graph, befor
 it is evaluated (Python, and the calls into compiled segments, which replay their traced
 graphs), over 20 builds. `ops` counts the primitives in one step's graph once warm (as `mx.export_to_dot` sees
 them: under `mx.compile` a fused elementwise chain is one); `kernels` leaves out the
-ones that only make views (reshape, slice, broadcast, ...), which launch nothing.
+ones that only make views (reshape, slice, broadcast, ...), which launch nothing; the
+JSON keeps the count of each primitive by name (`op_names`), where a graph's host time goes.
 Writes NAME.json and NAME.md under --out when given, each with its command, commit and
 machine.
 """
@@ -42,6 +44,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import inspect
 import re
@@ -61,12 +64,16 @@ from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 VIEWS = {"Broadcast", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient", "AsStrided", "Split", "Depends"}
 
 
-def count_ops(outputs: list[mx.array]) -> tuple[int, int]:
-    """(primitives, primitives that are not views) in the graph that builds `outputs`."""
+def op_names(outputs: list[mx.array]) -> collections.Counter:
+    """How many primitives of each name the graph that builds `outputs` holds."""
     with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
         mx.export_to_dot(f.name, *outputs)
-        labels = re.findall(r'label ="([^"]+)"', Path(f.name).read_text())
-    return len(labels), sum(label not in VIEWS for label in labels)
+        return collections.Counter(re.findall(r'label ="([^"]+)"', Path(f.name).read_text()))
+
+
+def count_ops(names: collections.Counter) -> tuple[int, int]:
+    """(primitives, primitives that are not views) of an `op_names` count."""
+    return names.total(), sum(count for name, count in names.items() if name not in VIEWS)
 
 
 class PlainSteps:
@@ -264,7 +271,8 @@ def run(args, saved=lambda result: None) -> dict:
                 step()
         for name, build in builds.items():  # counted once warm: a first step also holds the pools' one-off growth
             outputs = build.build()
-            cell[name]["ops"] = count_ops(outputs)
+            names = op_names(outputs)
+            cell[name]["ops"], cell[name]["op_names"] = count_ops(names), dict(names.most_common())
             mx.eval(outputs)
             cell[name]["build_ms"] = statistics.median(build_seconds(build) for _ in range(BUILDS)) * 1e3
         for turn in range(args.turns):
@@ -293,25 +301,28 @@ def run(args, saved=lambda result: None) -> dict:
 
 
 def reserve_check(systems: list[System], args, rng) -> dict:
-    """One lane's plain step with the KV pools at their usual size and grown to hold
-    `--reserve` positions per slot: equal when the KV write updates the pools in place,
-    slower by a copy of every pool per step when it does not."""
-    prompts = [[int(t) for t in rng.integers(20, 4000, args.context)]]
+    """A plain step of one lane and of the most lanes `--lanes` names, with the KV pools
+    at their usual size and grown to hold `--reserve` positions per slot: equal when the
+    KV writes update the pools in place, slower by a copy of every pool per step when they
+    do not (on CUDA one lane's step and several lanes' attend by different paths)."""
     out = {}
-    for system in systems:
-        step = system.open(prompts)["plain"].pipelined
-        for size in ("usual", "reserved"):
-            if size == "reserved":
-                for pool in system.target.kv.values():
-                    pool.reserve(args.reserve)
-                mx.eval(system.target.state_arrays())
-            for _ in range(3):
-                step()
-            wall, _ = timed_steps(step, args.seconds)
-            out[f"{system.name}:{size}"] = {"median_ms": statistics.median(wall) * 1e3, "kv_bytes": system.target.kv_bytes()}
-        system.close()
-        print(f"KV pools of {out[system.name + ':reserved']['kv_bytes'] / 1e9:.1f} GB: {system.name} plain step "
-              f"{out[system.name + ':usual']['median_ms']:.3f} -> {out[system.name + ':reserved']['median_ms']:.3f} ms", flush=True)
+    for lanes in sorted({1, max(args.lanes)}):
+        prompts = [[int(t) for t in rng.integers(20, 4000, args.context)] for _ in range(lanes)]
+        for system in systems:
+            step = system.open(prompts)["plain"].pipelined
+            for size in ("usual", "reserved"):
+                if size == "reserved":
+                    for pool in system.target.kv.values():
+                        pool.reserve(args.reserve)
+                    mx.eval(system.target.state_arrays())
+                for _ in range(3):
+                    step()
+                wall, _ = timed_steps(step, args.seconds)
+                out[f"{lanes}:{system.name}:{size}"] = {"median_ms": statistics.median(wall) * 1e3, "kv_bytes": system.target.kv_bytes()}
+            system.close()
+            usual, reserved = out[f"{lanes}:{system.name}:usual"], out[f"{lanes}:{system.name}:reserved"]
+            print(f"KV pools of {reserved['kv_bytes'] / 1e9:.1f} GB: {system.name} plain step of {lanes} lane(s) "
+                  f"{usual['median_ms']:.3f} -> {reserved['median_ms']:.3f} ms", flush=True)
     return out
 
 
@@ -327,9 +338,9 @@ def markdown(result: dict) -> str:
             lines.append(f"| {lanes} | {name} | {c['median_ms']:.3f} | {c['spread_ms'][0]:.3f}-{c['spread_ms'][1]:.3f} | "
                          f"{c['cpu_ms']:.3f} | {built} | {ops[0]} | {ops[1]} |")
     if result.get("reserved"):
-        lines += ["", "One lane's plain step, KV pools at their usual size and grown (`--reserve`):", "",
-                  "| system | median ms | KV pool bytes |", "|---|---|---|"]
-        lines += [f"| {name} | {c['median_ms']:.3f} | {c['kv_bytes']:,} |" for name, c in result["reserved"].items()]
+        lines += ["", "A plain step, KV pools at their usual size and grown (`--reserve`):", "",
+                  "| lanes | system | pools | median ms | KV pool bytes |", "|---|---|---|---|---|"]
+        lines += [f"| {' | '.join(name.split(':'))} | {c['median_ms']:.3f} | {c['kv_bytes']:,} |" for name, c in result["reserved"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -352,7 +363,8 @@ def main() -> None:
     p.add_argument("--slot-gap", action="store_true",
                    help="also time each lane count in slots after a gap (@gap): slot ids as an array, not views")
     p.add_argument("--read", type=int, default=0, metavar="ROWS", help="also time prompt reads of ROWS tokens, compiled and eager")
-    p.add_argument("--reserve", type=int, default=0, help="also time one lane with the KV pools grown to this many positions")
+    p.add_argument("--reserve", type=int, default=0,
+                   help="also time a plain step of one lane and of the most lanes with the KV pools grown to this many positions")
     p.add_argument("--out", help="directory for NAME.json and NAME.md")
     p.add_argument("--name", default="step")
     args = p.parse_args()
