@@ -189,12 +189,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lookup-chances-shared-by-sampling",
         "greedy and sampled lanes price lookup windows from one set of chances (sampled lanes' failures lower greedy ones')",
-        (Edit("lanes/round.py",
-              "        self.counted_chances[lane.request.sampling.greedy].observe(source, depth, accepted)",
-              "        self.counted_chances[True].observe(source, depth, accepted)"),
-         Edit("lanes/round.py",
-              "        return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))",
-              "        return chain_chances(self.counted_chances[True].confidences(source, depth))")),
+        (Edit("lanes/round.py", "        key = (greedy, context_band(context_tokens))", "        key = (True, context_band(context_tokens))"),),
+        ("tests/test_lookup.py",),
+    ),
+    Mutant(
+        "counted-chances-one-context-band",
+        "drafts' survival is counted over every context at once: a long lane's windows are priced by what its short "
+        "ones kept",
+        (Edit("lanes/round.py", "        key = (greedy, context_band(context_tokens))", "        key = (greedy, context_band(0))"),),
         ("tests/test_lookup.py",),
     ),
     Mutant(

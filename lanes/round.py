@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .bands import Band
+from .bands import Band, context_band
 from .calibration import ConfidenceCalibrator
 from .counters import RoundCounters
 from .guard import DraftGuard, GuardDecision
@@ -267,8 +267,9 @@ class RoundRunner:
         drafter's yield and time (the warm-up's rehearsal learns into a fresh set)."""
         self.calibrator = ConfidenceCalibrator(self.proposals)
         # By source (0: the drafter, n: a lookup after an n-token match), kept apart for
-        # greedy (True) and sampled lanes: a sampled lane keeps fewer drafts.
-        self.counted_chances = {greedy: CountedChances(MAX_NGRAM + 1, self.proposals) for greedy in (True, False)}
+        # greedy and sampled lanes (a sampled lane keeps fewer drafts) and by the lane's
+        # context band (`counts`).
+        self.counted_chances: dict[tuple[bool, int], CountedChances] = {}
         self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
         self._draft_seconds: float | None = None  # the drafter's last forward
 
@@ -834,10 +835,22 @@ class RoundRunner:
             return drafts, None
         return drafts, proposal
 
+    def counts(self, greedy: bool, context_tokens: int) -> CountedChances:
+        """The survival counted for greedy (or sampled) lanes at `context_tokens` tokens
+        of context: one count per context band, as the cost table and the guard keep
+        theirs. Drafts survive less far into contexts longer than a drafter trained on
+        (the long-context profile of bench_engine: 0.88 per draft at 4K, 0.4 at 126K),
+        and counted together a long lane's windows were priced by its short ones' survival,
+        verifying every draft where one or two pay."""
+        key = (greedy, context_band(context_tokens))
+        if key not in self.counted_chances:
+            self.counted_chances[key] = CountedChances(MAX_NGRAM + 1, self.proposals)
+        return self.counted_chances[key]
+
     def _counted(self, source: int, lane: Lane, depth: int) -> list[float]:
         """Chain chances of `depth` drafts from `source` (0: the drafter, n: a lookup
-        after an n-token match), as counted for lanes of this lane's kind."""
-        return chain_chances(self.counted_chances[lane.request.sampling.greedy].confidences(source, depth))
+        after an n-token match), as counted for lanes of this lane's kind and context."""
+        return chain_chances(self.counts(lane.request.sampling.greedy, lane.context).confidences(source, depth))
 
     def _read(self, proposal, drafting: list[Lane], drafts: list[Draft]) -> dict[int, list[int]]:
         """Fill the unread drafts from the drafter's evaluated proposal: tokens, raw
@@ -1003,7 +1016,7 @@ class RoundRunner:
     def _learn(self, lane: Lane, source: int, depth: int, accepted: int, proposed_at: list[int], accepted_at: list[int]) -> None:
         """What a lane's round teaches, `depth` drafts from `source` (0: the drafter, n: a
         lookup after an n-token match) verified and `accepted` kept: its stats, the counted
-        chances of its kind of lane, the drafter's yield, the round's drafts by position."""
+        chances of its kind of lane at its context, the drafter's yield, the round's drafts by position."""
         lane.stats.rounds += 1
         if not depth:
             return
@@ -1011,7 +1024,7 @@ class RoundRunner:
         lane.stats.proposed += depth
         lane.stats.accepted += accepted
         lane.stats.accepted_per_round.append(accepted)
-        self.counted_chances[lane.request.sampling.greedy].observe(source, depth, accepted)
+        self.counts(lane.request.sampling.greedy, lane.context).observe(source, depth, accepted)
         if source:
             lane.stats.looked_up_rounds += 1
         else:

@@ -206,8 +206,10 @@ def runner_with(dense_pair, drafter_yield: float, prompt_lookup=1, windows=MIN_D
 
 
 def learn(runner: RoundRunner, n: int, accepted: int, times: int) -> None:
+    """Greedy lanes' lookups after `n`-token matches kept `accepted` of a full window
+    `times` times, at the short contexts of MATCHED and UNMATCHED."""
     for _ in range(times):
-        runner.counted_chances[True].observe(n, runner.proposals, accepted)
+        runner.counts(True, len(MATCHED[0])).observe(n, runner.proposals, accepted)
 
 
 def looked_up(runner: RoundRunner, lanes: list[Lane]) -> list[int]:
@@ -277,8 +279,27 @@ def test_greedy_and_sampled_lanes_learn_their_counted_chances_apart(dense_pair):
     runner = runner_with(dense_pair, 2)
     # Sampled lanes' copies failed at once 20 times; greedy lanes still stand at the prior.
     for _ in range(20):
-        runner.counted_chances[False].observe(3, runner.proposals, 0)
+        runner.counts(False, sampled.context).observe(3, runner.proposals, 0)
     assert looked_up(runner, [greedy, sampled]) == [0]
+
+
+def test_counted_chances_are_kept_per_context_band(dense_pair):
+    loaded, _ = dense_pair
+    short = make_lane(loaded, MATCHED)
+    long = make_lane(loaded, (MATCHED[0], [7] * 5000))  # 5019 tokens: the 8K band
+    runner = runner_with(dense_pair, 2)
+    g = runner.proposals
+    # The long lane's drafter drafts failed at once 20 times: its first draft is priced at
+    # 3/24, the short lane's still at the prior, and what each lane learns goes to its band.
+    for _ in range(20):
+        runner._learn(long, 0, g, 0, [0] * g, [0] * g)
+    assert runner._counted(0, long, g) == chain_chances([3 / 24] + [0.75] * (g - 1))
+    assert runner._counted(0, short, g) == chain_chances([0.75] * g)
+    runner._learn(short, 0, g, g, [0] * g, [0] * g)
+    assert runner._counted(0, short, g) == chain_chances([4 / 5] * g)
+    assert runner._counted(0, long, g) == chain_chances([3 / 24] + [0.75] * (g - 1))
+    # A lane that grows into the next band leaves its old band's counts behind.
+    assert runner.counts(True, 8192) is runner.counts(True, long.context) is not runner.counts(True, 8193)
 
 
 def test_in_a_round_where_some_lane_drafts_no_lookup_counts_the_drafters_forward_saved(dense_pair):
@@ -427,8 +448,9 @@ def test_drafted_with_lookup_equals_plain(model, sampled, width, lookup, models,
     assert looked >= lookup_floor(model, plain, width or PRICED_WIDTH, lookup)
     # Looked-up rounds are drafted rounds, and the runner learned from them.
     assert all(c.draft.looked_up_rounds <= c.draft.drafted_rounds for c in loops)
-    chances, g = engine.rounds.counted_chances[not sampled], engine.rounds.proposals
-    assert any(chances.confidences(n, g) != [0.75] * g for n in range(lookup, MAX_NGRAM + 1))
+    g = engine.rounds.proposals
+    learned = [chances for (greedy, _), chances in engine.rounds.counted_chances.items() if greedy != sampled]
+    assert any(chances.confidences(n, g) != [0.75] * g for chances in learned for n in range(lookup, MAX_NGRAM + 1))
 
 
 def mixed_rounds(runner: RoundRunner) -> list[bool]:
@@ -482,9 +504,7 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     # The rehearsal did learn: a drafter yield and timing, and lookups it chose.
     assert seen["windows"] >= MIN_DRAFTER_WINDOWS and seen["timed"] and seen["looked_up"] > 0
     # What it learned went to throwaway instances.
-    for n in range(1, MAX_NGRAM + 1):
-        for chances in runner.counted_chances.values():
-            assert chances.confidences(n, runner.proposals) == [0.75] * runner.proposals
+    assert runner.counted_chances == {}
     assert isinstance(runner._drafter_yield, deque) and len(runner._drafter_yield) == 0
     assert runner._drafter_yield.maxlen == DRAFTER_YIELD_WINDOWS
     assert runner._draft_seconds is None
