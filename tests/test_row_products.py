@@ -56,7 +56,8 @@ def test_only_small_unquantized_linear_maps_are_swapped():
     kinds = [type(layer) for layer in model.layers]
     assert kinds == [RowProductLinear, RowProductLinear, nn.QuantizedLinear, nn.Linear]
     x = mx.ones((3, 64))
-    np.testing.assert_allclose(np.array(model.layers[0](x)), np.array(x @ model.layers[0].weight.T + model.layers[0].bias), rtol=1e-5)
+    np.testing.assert_allclose(np.array(model.layers[0](x)), np.array(x @ model.layers[0].weight.T + model.layers[0].bias),
+                               rtol=1e-5, atol=1e-6)  # the layer's random outputs may land near 0
 
 
 @pytest.fixture(scope="module")
