@@ -6,8 +6,9 @@ whose scripted acceptance is drawn afresh each round).
         [--tokens 6144] [--draws 40] [--budget 0.02] [--smoothing 0.05] [--max-probe-share 0.25]
 
 LOG is a `bench_engine --log` (one lane). For each context C, the one-lane rounds logged
-at C..C+`--tokens` are the band's samples: plain rounds' seconds, and drafted rounds'
-(probes included) emitted tokens and seconds. A fresh guard then decodes `--tokens`
+at C..C+`--tokens` are the band's samples: plain rounds' seconds (the plain engine's and
+the drafting engine's alike), and drafted rounds' (probes included) emitted tokens and
+seconds. A fresh guard then decodes `--tokens`
 tokens `--draws` times, each round drawn at random from the samples of the choice it
 made, and its time is set against decoding the same tokens plain at the plain samples'
 mean seconds per token. Reported per context: that ratio (what a drafting-capable engine
