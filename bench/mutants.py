@@ -200,6 +200,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lookup.py",),
     ),
     Mutant(
+        "drafter-record-one-context-band",
+        "the drafter's calibration and yield are learnt over every context at once: a long lane's confidences are "
+        "calibrated, and its lookups weighed, by what its short ones taught",
+        (Edit("lanes/round.py", "        band = context_band(context_tokens)\n", "        band = context_band(0)\n"),),
+        ("tests/test_lookup.py",),
+    ),
+    Mutant(
+        "drafter-yield-learnt-at-one-band",
+        "every window's kept drafts go to one band's yield, whatever the lane's context",
+        (Edit("lanes/round.py", "            self.drafter_record(lane.context).yields.append(accepted)",
+              "            self.drafter_record(0).yields.append(accepted)"),),
+        ("tests/test_lookup.py",),
+    ),
+    Mutant(
+        "calibration-learnt-at-one-band",
+        "every window's verify outcome calibrates one band's confidences, whatever the lane's context",
+        (Edit("lanes/round.py", "                self.drafter_record(lane.context).calibrator.observe(",
+              "                self.drafter_record(0).calibrator.observe("),),
+        ("tests/test_lookup.py",),
+    ),
+    Mutant(
         "prompt-read-counted-as-round-time",
         "rounds are timed on the clock itself, the host's time reading a prompt's chunk inside their interval "
         "included: plain rounds look as slow as the prompts read beside them",

@@ -169,6 +169,20 @@ class DraftedDispatch:
 
 
 @dataclass
+class DrafterRecord:
+    """What the drafter's rounds at one context band taught: how its confidences
+    calibrate (where a round reads them before pricing), and how many drafts it kept a
+    window (weighed against lookups)."""
+
+    calibrator: ConfidenceCalibrator
+    yields: deque[int] = field(default_factory=lambda: deque(maxlen=DRAFTER_YIELD_WINDOWS))
+
+    def mean_yield(self) -> float | None:
+        """Drafts kept per window over the recent ones, once there are MIN_DRAFTER_WINDOWS."""
+        return sum(self.yields) / len(self.yields) if len(self.yields) >= MIN_DRAFTER_WINDOWS else None
+
+
+@dataclass
 class Draft:
     """One lane's proposal this round: from the drafter (`ngram` 0) or looked up in its
     own tokens after a match of `ngram` tokens. A drafter's proposal stays on the device
@@ -265,12 +279,11 @@ class RoundRunner:
     def start_learning(self) -> None:
         """Forget what drafted rounds taught: confidence calibration, counted chances, the
         drafter's yield and time (the warm-up's rehearsal learns into a fresh set)."""
-        self.calibrator = ConfidenceCalibrator(self.proposals)
+        self.drafter_records: dict[int, DrafterRecord] = {}  # by context band (`drafter_record`)
         # By source (0: the drafter, n: a lookup after an n-token match), kept apart for
         # greedy and sampled lanes (a sampled lane keeps fewer drafts) and by the lane's
         # context band (`counts`).
         self.counted_chances: dict[tuple[bool, int], CountedChances] = {}
-        self._drafter_yield: deque[int] = deque(maxlen=DRAFTER_YIELD_WINDOWS)
         self._draft_seconds: float | None = None  # the drafter's last forward
 
     def verify_width(self, rows: int) -> int:
@@ -847,6 +860,15 @@ class RoundRunner:
             self.counted_chances[key] = CountedChances(MAX_NGRAM + 1, self.proposals)
         return self.counted_chances[key]
 
+    def drafter_record(self, context_tokens: int) -> DrafterRecord:
+        """What the drafter's rounds taught at `context_tokens` tokens of context, one
+        record per context band as `counts` keeps survival: its confidences run further
+        from its survival, and it keeps fewer drafts, the longer the context."""
+        band = context_band(context_tokens)
+        if band not in self.drafter_records:
+            self.drafter_records[band] = DrafterRecord(ConfidenceCalibrator(self.proposals))
+        return self.drafter_records[band]
+
     def _counted(self, source: int, lane: Lane, depth: int) -> list[float]:
         """Chain chances of `depth` drafts from `source` (0: the drafter, n: a lookup
         after an n-token match), as counted for lanes of this lane's kind and context."""
@@ -866,7 +888,7 @@ class RoundRunner:
                 continue
             draft.tokens, draft.raw, draft.problem, draft.row = tokens[draft.row], confidences[draft.row], problems[draft.row], None
             if self.price_live:  # read before pricing: priced from its calibrated confidences
-                draft.chances = chain_chances(self.calibrator.calibrate(draft.raw))
+                draft.chances = chain_chances(self.drafter_record(lane.context).calibrator.calibrate(draft.raw))
             if draft.problem is not None:
                 lane.stats.errors.append(str(draft.problem))
                 log.warning("lane %s: %s; none of its drafts is kept", lane.id, draft.problem)
@@ -879,9 +901,9 @@ class RoundRunner:
         drafter's: expected tokens per second of a lane's window, `(1 + E) / T`, with E
         the sum of its chain chances and T the verify round's time, plus the drafter's
         forward for the drafter, which only a round where every lane looks up saves.
-        The drafter's E is its recent mean yield; until it has one, a lookup is taken
-        where it expects to keep a draft (E >= 1): it costs nothing to propose, and the
-        drafter gets the lanes without a match."""
+        The drafter's E is its recent mean yield at the lane's context band; until it has
+        one there, a lookup is taken where it expects to keep a draft (E >= 1): it costs
+        nothing to propose, and the drafter gets the lanes without a match."""
         if not self.prompt_lookup:
             return {}
         candidates = {}
@@ -889,12 +911,12 @@ class RoundRunner:
             tokens, n = self._ngrams(lane).propose(self.proposals, self.prompt_lookup)
             tokens = tokens[: max(lane.remaining - 1, 0)]
             if tokens:
-                candidates[id(lane)] = Draft(tokens, self._counted(n, lane, len(tokens)), ngram=n)
-        if len(self._drafter_yield) < MIN_DRAFTER_WINDOWS:
-            return {key: d for key, d in candidates.items() if sum(d.chances) >= 1}
-        drafter_yield = sum(self._drafter_yield) / len(self._drafter_yield)
+                candidates[id(lane)] = (lane, Draft(tokens, self._counted(n, lane, len(tokens)), ngram=n))
 
-        def better(draft: Draft, drafter_share: float) -> bool:
+        def better(lane: Lane, draft: Draft, drafter_share: float) -> bool:
+            drafter_yield = self.drafter_record(lane.context).mean_yield()
+            if drafter_yield is None:
+                return sum(draft.chances) >= 1
             return 1 + sum(draft.chances) >= (1 + drafter_yield) * drafter_share
 
         try:
@@ -902,9 +924,9 @@ class RoundRunner:
             saving = verify_seconds / (verify_seconds + (self._draft_seconds or 0.0))
         except NoCostData:  # no timings (a fixed width without warm-up): weigh the yields alone
             saving = 1.0
-        if len(candidates) == len(drafting) and all(better(d, saving) for d in candidates.values()):
-            return candidates  # no lane drafts: the drafter's forward is saved
-        return {key: d for key, d in candidates.items() if better(d, 1.0)}  # it runs anyway
+        if len(candidates) == len(drafting) and all(better(lane, d, saving) for lane, d in candidates.values()):
+            return {key: d for key, (_, d) in candidates.items()}  # no lane drafts: the drafter's forward is saved
+        return {key: d for key, (lane, d) in candidates.items() if better(lane, d, 1.0)}  # it runs anyway
 
     @staticmethod
     def _ngrams(lane: Lane, read: int | None = None) -> NgramIndex:
@@ -1028,7 +1050,7 @@ class RoundRunner:
         if source:
             lane.stats.looked_up_rounds += 1
         else:
-            self._drafter_yield.append(accepted)
+            self.drafter_record(lane.context).yields.append(accepted)
         for k in range(depth):
             proposed_at[k] += 1
             accepted_at[k] += k < accepted
@@ -1051,7 +1073,7 @@ class RoundRunner:
             draft = draft_of[id(lane)] if depth else None
             # Calibrated confidences price only rounds that read the proposal first.
             if draft is not None and not draft.ngram and self.price_live:
-                self.calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
+                self.drafter_record(lane.context).calibrator.observe(draft.raw[:depth], depth, outcome.accepted)
             self._learn(lane, draft.ngram if draft else 0, depth, outcome.accepted, proposed_at, accepted_at)
             events.append((lane, lane.emit(outcome.tokens, outcome.logprobs)))
         self.fold_pending([lane for lane in lanes if lane.drafter_slot is not None], limit=PENDING_TAPS_LIMIT)

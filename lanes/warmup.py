@@ -27,7 +27,7 @@ def rehearsal(runner: RoundRunner):
     kept = runner.guard, runner.costs, runner.counters, runner.draft_width
     runner.guard, runner.costs, runner.counters = DraftGuard(), CostTable(), RoundCounters()
     if runner.drafter is not None:
-        learned = runner.calibrator, runner.counted_chances, runner._drafter_yield, runner._draft_seconds
+        learned = runner.drafter_records, runner.counted_chances, runner._draft_seconds
         runner.start_learning()
         runner.draft_width = runner.proposals + 1
     try:
@@ -35,7 +35,7 @@ def rehearsal(runner: RoundRunner):
     finally:
         runner.guard, runner.costs, runner.counters, runner.draft_width = kept
         if runner.drafter is not None:
-            runner.calibrator, runner.counted_chances, runner._drafter_yield, runner._draft_seconds = learned
+            runner.drafter_records, runner.counted_chances, runner._draft_seconds = learned
 
 
 def profile(runner: RoundRunner, max_lanes: int, context: int = 64, repeats: int = 2, prompt_chunk: int = 512) -> None:

@@ -13,7 +13,6 @@ up, hands back unlearned lookup chances and drafter timings.
 from __future__ import annotations
 
 import functools
-from collections import deque
 
 import numpy as np
 import pytest
@@ -198,10 +197,11 @@ def make_lane(loaded, prompt_and_generated, max_tokens=64) -> Lane:
 
 def runner_with(dense_pair, drafter_yield: float, prompt_lookup=1, windows=MIN_DRAFTER_WINDOWS, **kwargs) -> RoundRunner:
     """A runner verifying 9 drafts a round whose drafter kept `drafter_yield` of them a
-    window, over `windows` windows. No cost table: yields alone are weighed."""
+    window, over `windows` windows at the short contexts of MATCHED and UNMATCHED. No
+    cost table: yields alone are weighed."""
     loaded, drafter = dense_pair
     runner = RoundRunner(loaded.target, drafter, draft_width=10, prompt_lookup=prompt_lookup, **kwargs)
-    runner._drafter_yield.extend([drafter_yield] * windows)
+    runner.drafter_record(len(MATCHED[0])).yields.extend([drafter_yield] * windows)
     return runner
 
 
@@ -300,6 +300,44 @@ def test_counted_chances_are_kept_per_context_band(dense_pair):
     assert runner._counted(0, long, g) == chain_chances([3 / 24] + [0.75] * (g - 1))
     # A lane that grows into the next band leaves its old band's counts behind.
     assert runner.counts(True, 8192) is runner.counts(True, long.context) is not runner.counts(True, 8193)
+
+
+def test_the_drafters_yield_is_kept_per_context_band(dense_pair):
+    loaded, _ = dense_pair
+    g = 9
+    short = make_lane(loaded, MATCHED)
+    long = make_lane(loaded, (MATCHED[0], [7] * 2100), max_tokens=2200)  # 2117 tokens: the 4K band
+    assert long.remaining > g
+    # The drafter keeps 8 of 9 drafts a window at the short lanes' band: a 3-gram copy
+    # there loses to it. At the long lane's band it has no yield yet, then keeps none:
+    # the same copy is taken, however the short band's drafter does.
+    runner = runner_with(dense_pair, 8)
+    assert looked_up(runner, [short]) == []
+    assert looked_up(runner, [long]) == [0]
+    for _ in range(MIN_DRAFTER_WINDOWS):
+        runner._learn(long, 0, g, 0, [0] * g, [0] * g)
+    assert looked_up(runner, [long]) == [0] and looked_up(runner, [short]) == []
+    assert runner.drafter_record(long.context).mean_yield() == 0.0
+    assert runner.drafter_record(len(MATCHED[0])).mean_yield() == 8.0
+    # A band's yield is the mean of its recent windows only.
+    record = runner.drafter_record(long.context)
+    record.yields.extend([4] * DRAFTER_YIELD_WINDOWS)
+    assert len(record.yields) == DRAFTER_YIELD_WINDOWS and record.mean_yield() == 4.0
+    assert runner.drafter_record(4096) is record is not runner.drafter_record(4097)
+
+
+def test_confidences_are_calibrated_per_context_band(dense_dir, drafter_dir):
+    # Rounds that read the proposal before pricing calibrate its confidences; a lane
+    # learns into, and is calibrated by, its own context band's calibrator.
+    engine = tiny_engine(dense_dir, drafter_dir, lanes=2, price_live=True)
+    short, long = Request([1 + i % 300 for i in range(40)], 16), Request([1 + i % 300 for i in range(2100)], 16)
+    completions = engine.generate([short, long])
+    runner = engine.rounds
+    assert set(runner.drafter_records) == {2048, 4096}
+    for request, completion in zip((short, long), completions):
+        windows = completion.draft.drafted_rounds - completion.draft.looked_up_rounds
+        assert windows > 0
+        assert runner.drafter_record(len(request.prompt)).calibrator.sample_counts[0] == windows
 
 
 def test_in_a_round_where_some_lane_drafts_no_lookup_counts_the_drafters_forward_saved(dense_pair):
@@ -413,7 +451,7 @@ def serve_with_lookup(engine: Engine, model: str, sampled: bool):
     """The warm request alone, then the looping ones (as many at once as the engine has
     lanes)."""
     (warm,) = engine.generate([warm_request(sampled)])
-    yields = engine.rounds._drafter_yield
+    yields = engine.rounds.drafter_record(len(warm_request(sampled).prompt)).yields
     assert len(yields) >= MIN_DRAFTER_WINDOWS, "the warm request left the drafter without a yield"
     assert sum(yields) / len(yields) < 0.25, "the floor below counts on a drafter that keeps almost nothing"
     loops = engine.generate([request(s, sampled) for s in LOOPING[model]])
@@ -495,7 +533,7 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     def spy(lanes, drafting):
         chosen = looked_up(lanes, drafting)
         seen["looked_up"] += len(chosen)
-        seen["windows"] = max(seen["windows"], len(runner._drafter_yield))
+        seen["windows"] = max([seen["windows"]] + [len(record.yields) for record in runner.drafter_records.values()])
         seen["timed"] |= runner._draft_seconds is not None
         return chosen
 
@@ -504,8 +542,6 @@ def test_the_warm_up_rehearsal_leaves_no_lookup_evidence(dense_dir, drafter_dir)
     # The rehearsal did learn: a drafter yield and timing, and lookups it chose.
     assert seen["windows"] >= MIN_DRAFTER_WINDOWS and seen["timed"] and seen["looked_up"] > 0
     # What it learned went to throwaway instances.
-    assert runner.counted_chances == {}
-    assert isinstance(runner._drafter_yield, deque) and len(runner._drafter_yield) == 0
-    assert runner._drafter_yield.maxlen == DRAFTER_YIELD_WINDOWS
+    assert runner.counted_chances == {} and runner.drafter_records == {}
     assert runner._draft_seconds is None
     assert runner.draft_width is None
