@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.export_code import COMMIT_FILE
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 
 ENGINES = ("plain", "drafted")
 CONTROL = "control"  # the reference's setting, in a second process
@@ -319,7 +319,6 @@ def run(args, saved=lambda result: None) -> dict:
 
 def markdown(result: dict) -> str:
     reference = result["settings"][0]
-    fmt = lambda s, unit="": f"{s['median']:.2f}{unit} [{s['min']:.2f}-{s['max']:.2f}]"
     lines = [markdown_line(result),
              (f"- dtype {result['dtype']}, target made decisive by {result['decisive']:g}; prompts of {result['prompt_tokens']} "
               f"tokens, {result['gen_tokens']} generated per stream, {result['alternations_done']} of {result['alternations']} "
@@ -335,13 +334,12 @@ def markdown(result: dict) -> str:
     for key, row in result["cells"].items():
         n, engine = key.split()
         for label, entry in row["settings"].items():
-            tok_s = f"{entry['tok_s']['median']:.1f} [{entry['tok_s']['min']:.1f}-{entry['tok_s']['max']:.1f}]"
-            vs_reference = fmt(entry["vs_reference"], "x") if "vs_reference" in entry else "-"
-            vs_plain = fmt(entry["vs_plain"], "x") if "vs_plain" in entry else "-"
-            until = fmt(entry["vs_plain_until_a_lane_ends"], "x") if "vs_plain_until_a_lane_ends" in entry else "-"
-            tail = (f"{entry['tail_share']['median']:.0%} [{entry['tail_share']['min']:.0%}-{entry['tail_share']['max']:.0%}]"
-                    if "tail_share" in entry else "-")
-            round_ms, drafting = (fmt(entry[key]) if key in entry else "-" for key in ("round_ms", "draft_ms"))
+            tok_s = median_range(entry["tok_s"], 1)
+            vs_reference = median_range(entry["vs_reference"], unit="x") if "vs_reference" in entry else "-"
+            vs_plain = median_range(entry["vs_plain"], unit="x") if "vs_plain" in entry else "-"
+            until = median_range(entry["vs_plain_until_a_lane_ends"], unit="x") if "vs_plain_until_a_lane_ends" in entry else "-"
+            tail = median_range(entry["tail_share"], 0, percent=True) if "tail_share" in entry else "-"
+            round_ms, drafting = (median_range(entry[key]) if key in entry else "-" for key in ("round_ms", "draft_ms"))
             lines.append(f"| {n} | {engine} | `{label}` | {tok_s} | {round_ms} | {drafting} | "
                          f"{entry['mode_share']['median']:.0%} | {vs_reference} | {vs_plain} | {until} | {tail} | {row['same_tokens']} |")
     lines += ["", ("Until a lane ends: a drafted run's tok/s up to its first lane's end over the plain run's; tail: the share "

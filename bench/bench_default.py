@@ -43,7 +43,7 @@ import mlx.core as mx
 
 from bench.lane_log import write_lane_core_log
 from bench.prompt_lookup import PromptLookupDrafter
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, median_range, provenance, write_result
 from daemon.cli import DEFAULT_PROMPT_LOOKUP
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
@@ -155,7 +155,7 @@ def markdown(result: dict) -> str:
     ]
     for name, r in result["engines"].items():
         cell = r.get("speedup_per_cell")
-        spread = f"{cell['median']:.2f}x [{cell['min']:.2f}-{cell['max']:.2f}]" if cell else "-"
+        spread = median_range(cell, unit="x") if cell else "-"
         lines.append(f"| {name} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {spread} | {r['mean_accepted_per_drafted_round']:.2f} "
                      f"| {r['drafted_rounds']} | {r['looked_up_rounds']} |")
     return "\n".join(lines) + "\n"

@@ -73,7 +73,7 @@ import mlx.core as mx
 import numpy as np
 
 from bench.lane_log import write_lane_core_log
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 from bench.scripted import (
     ScriptedDrafter,
     falling_with_context_profile,
@@ -442,8 +442,8 @@ def markdown(result: dict) -> str:
                   + (" in step tok/s | in step / plain | overlapped / in step [min-max] |" if result.get("in_step_beside") else ""),
                   "|---:|---:|---:|---:|:---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if result.get("in_step_beside") else "")]
     for n, r in result["streams"].items():
-        beside = (f" {r['in_step_tok_s']:.1f} | {r['in_step_ratio']:.2f}x | {r['overlap_gain']:.2f}x "
-                  f"[{min(r['overlap_gains']):.2f}-{max(r['overlap_gains']):.2f}] |" if "in_step_tok_s" in r else "")
+        beside = (f" {r['in_step_tok_s']:.1f} | {r['in_step_ratio']:.2f}x | "
+                  f"{median_range(spread(r['overlap_gains']), unit='x')} |" if "in_step_tok_s" in r else "")
         lines.append(f"| {n} | {r['plain_tok_s']:.1f} | {r['drafted_tok_s']:.1f} | {r['ratio']:.2f}x | {r['exact']} | "
                      f"{r['drafted_round_share']:.0%} | {r['mean_accepted_per_drafted_round']:.2f} | {r['full_ratio']:.2f}x | "
                      f"{r['drafted_tail_seconds_share']:.0%} [{r['drafted_tail_tokens_share']:.0%}] |{beside}")

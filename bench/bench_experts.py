@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from bench.bench_rows import alternated, cell, main_with
-from bench.provenance import markdown_line, provenance, spread
+from bench.bench_rows import alternated, main_with
+from bench.provenance import markdown_line, median_range, provenance, spread
 from families.lfm2 import expert_kernel, open_target
 from families.lfm2.model import Experts, SparseMoE
 
@@ -74,8 +74,8 @@ def markdown(result: dict) -> str:
              "| rows | expert kernel ms | gather_mm ms | gather_mm / kernel | largest difference |",
              "| ---: | ---: | ---: | ---: | ---: |"]
     for c in result["cells"]:
-        lines.append(f"| {c['rows']} | {cell(c['kernel_ms'])} | {cell(c['gather_ms'])} | {cell(c['speedup'], 'x')} "
-                     f"| {c['difference']:.2e} |")
+        lines.append(f"| {c['rows']} | {median_range(c['kernel_ms'], 3)} | {median_range(c['gather_ms'], 3)} | "
+                     f"{median_range(c['speedup'], 3, 'x')} | {c['difference']:.2e} |")
     return "\n".join(lines) + "\n"
 
 

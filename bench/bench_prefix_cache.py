@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 from families.lfm2 import open_target
 from families.lfm2.checkpoint import default_drafter_dir, default_target_dir
 from families.lfm2.drafter import load_drafter
@@ -120,7 +120,6 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    ms = lambda s: f"{s['median'] * 1e3:.1f} [{s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}]"
     lines = [
         f"# Prefix cache: {result['turns']}-turn chat, time to first token with the cache on and off", "",
         markdown_line(result),
@@ -132,16 +131,14 @@ def markdown(result: dict) -> str:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for t in result["per_turn"]:
-        s = t["speedup"]
-        lines.append(f"| {t['turn']} | {t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | {ms(t['ttft_on_s'])} | "
-                     f"{ms(t['ttft_off_s'])} | {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}] |")
+        lines.append(f"| {t['turn']} | {t['prompt_tokens']:.0f} | {t['cached_tokens']:.0f} | "
+                     f"{median_range(t['ttft_on_s'], 1, scale=1e3)} | {median_range(t['ttft_off_s'], 1, scale=1e3)} | "
+                     f"{median_range(t['speedup'], unit='x')} |")
     d = result["decode"]
-    f = lambda s: f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
     lines += ["", (f"Decode when every request misses ({d['lanes']} lanes, {d['prompt_tokens']}-token prompts, "
               f"{d['gen_tokens']} tokens each, cells of at least {d['min_seconds']:.0f} s):"), "",
               "| cache on (tok/s) | cache off (tok/s) | on / off |", "|---:|---:|---:|",
-              (f"| {f(d['on_tok_s'])} | {f(d['off_tok_s'])} | {d['ratio']['median']:.3f}x "
-              f"[{d['ratio']['min']:.3f}-{d['ratio']['max']:.3f}] |")]
+              f"| {median_range(d['on_tok_s'], 1)} | {median_range(d['off_tok_s'], 1)} | {median_range(d['ratio'], 3, 'x')} |"]
     return "\n".join(lines) + "\n"
 
 

@@ -40,7 +40,7 @@ import time
 import numpy as np
 
 import families.lfm2.model as lfm2_model
-from bench.provenance import markdown_line, provenance, write_result
+from bench.provenance import markdown_line, median_range, provenance, write_result
 from families.lfm2 import open_target
 from families.lfm2.cache import plans_per_shape
 from families.lfm2.checkpoint import default_target_dir
@@ -104,9 +104,6 @@ def summary(values: list[float]) -> dict:
 
 
 def markdown(result: dict) -> str:
-    def cell(s: dict, digits: int) -> str:
-        return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
-
     lines = [
         markdown_line(result),
         "",
@@ -120,10 +117,10 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|",
     ]
     for name, s in result["systems"].items():
-        lines.append(f"| {name} | {cell(s['short_ms'], 1)} | {cell(s['long_s'], 2) if 'long_s' in s else '-'} |")
+        lines.append(f"| {name} | {median_range(s['short_ms'], 1)} | {median_range(s['long_s']) if 'long_s' in s else '-'} |")
     for name, ratio in result["over_steady"].items():
-        lines.append(f"| {name} / steady | {cell(ratio['short_ms'], 2)}x | "
-                     f"{cell(ratio['long_s'], 2) + 'x' if 'long_s' in ratio else '-'} |")
+        lines.append(f"| {name} / steady | {median_range(ratio['short_ms'])}x | "
+                     f"{median_range(ratio['long_s']) + 'x' if 'long_s' in ratio else '-'} |")
     return "\n".join(lines) + "\n"
 
 

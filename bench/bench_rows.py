@@ -27,7 +27,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 from families.lfm2 import open_target, row_kernel
 
 
@@ -62,11 +62,6 @@ def alternated(passes, turns: int, seconds: float) -> list[dict[bool, float]]:
         order = (True, False) if turn % 2 == 0 else (False, True)
         results.append({kernel: time_passes(lambda: passes(kernel), seconds) for kernel in order})
     return results
-
-
-def cell(s: dict, unit: str = "") -> str:
-    """A spread as `median [min-max]`."""
-    return f"{s['median']:.3f}{unit} [{s['min']:.3f}-{s['max']:.3f}]"
 
 
 def main_with(doc: str, run, markdown, name: str, rows: str) -> None:
@@ -129,7 +124,8 @@ def markdown(result: dict) -> str:
               f"one row by MLX's GEMV: {result['one_row_matmul_ms']:.3f} ms a pass."), "",
              "| rows | row kernel ms | MLX matmul ms | matmul / kernel |", "| ---: | ---: | ---: | ---: |"]
     for c in result["cells"]:
-        lines.append(f"| {c['rows']} | {cell(c['kernel_ms'])} | {cell(c['matmul_ms'])} | {cell(c['speedup'], 'x')} |")
+        lines.append(f"| {c['rows']} | {median_range(c['kernel_ms'], 3)} | {median_range(c['matmul_ms'], 3)} | "
+                     f"{median_range(c['speedup'], 3, 'x')} |")
     lines += ["", "Largest difference from float32 products, as a share of the largest value:", "",
               "| weight | rows | row kernel | MLX matmul |", "| --- | ---: | ---: | ---: |"]
     for a in result["agreement"]:

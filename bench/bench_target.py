@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 
 from bench.bench_engine import read_prompts
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 from families.lfm2 import open_target
 from families.lfm2.loader import DTYPES
 from lanes.engine import Engine, EngineConfig
@@ -179,7 +179,6 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    fmt = lambda s, d=1, u="": f"{s['median']:.{d}f}{u} [{s['min']:.{d}f}-{s['max']:.{d}f}]"
     lines = [
         f"# laneserve's engine vs mlx-lm {result['mlx_lm']} BatchGenerator: {Path(result['model']).name}",
         "",
@@ -195,7 +194,8 @@ def markdown(result: dict) -> str:
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
-        lines.append(f"| {r['lanes']} | {fmt(r['laneserve_tok_s'])} | {fmt(r['mlx_lm_tok_s'])} | {fmt(r['ratio'], 2, 'x')} | {r['agree']} |")
+        lines.append(f"| {r['lanes']} | {median_range(r['laneserve_tok_s'], 1)} | {median_range(r['mlx_lm_tok_s'], 1)} | "
+                     f"{median_range(r['ratio'], 2, 'x')} | {r['agree']} |")
     if result.get("cublas"):
         lines += ["", "The engine again with every product of several rows through MLX's own kernels (cuBLASLt, and "
                   "gather_mm for experts), in the same alternations (`--cublas`); laneserve's kernels' gain is "
@@ -203,7 +203,8 @@ def markdown(result: dict) -> str:
                   "| lanes | laneserve (cuBLASLt) tok/s | its / mlx-lm | laneserve / laneserve (cuBLASLt) |",
                   "| ---: | ---: | ---: | ---: |"]
         for r in result["rows"]:
-            lines.append(f"| {r['lanes']} | {fmt(r['laneserve_cublas_tok_s'])} | {fmt(r['cublas_ratio'], 2, 'x')} | {fmt(r['kernel_gain'], 2, 'x')} |")
+            lines.append(f"| {r['lanes']} | {median_range(r['laneserve_cublas_tok_s'], 1)} | "
+                         f"{median_range(r['cublas_ratio'], 2, 'x')} | {median_range(r['kernel_gain'], 2, 'x')} |")
     return "\n".join(lines) + "\n"
 
 

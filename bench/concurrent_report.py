@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .provenance import markdown_line
+from .provenance import markdown_line, median_range
 from .serving_metrics import spread
 
 SUMMARY_KEYS = (
@@ -56,7 +56,7 @@ def _fmt(s: dict, digits: int = 1, suffix: str = "") -> str:
         return "-"
     if s["min"] == s["max"]:
         return f"{s['median']:.{digits}f}{suffix}"
-    return f"{s['median']:.{digits}f}{suffix} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+    return median_range(s, digits, suffix)
 
 
 def markdown(result: dict) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 from bench.round_phases import open_log, rounds
 from lanes.guard import DraftGuard
 
@@ -86,7 +86,7 @@ def run(args) -> dict:
                 "plain_tps": len(plain) / sum(plain), "drafted_tps": sum(e for e, _ in drafted) / sum(s for _, s in drafted)}
         cell.update({key: spread([d[key] for d in draws]) for key in ("ratio", "drafted_share", "probe_loss", "drafted_loss")})
         result["contexts"][context] = cell
-        print(f"context {context}: ratio {cell['ratio']['median']:.4f} [{cell['ratio']['min']:.4f}-{cell['ratio']['max']:.4f}], "
+        print(f"context {context}: ratio {median_range(cell['ratio'], 4)}, "
               f"drafted {cell['drafted_share']['median']:.1%}", flush=True)
     return result
 
@@ -101,13 +101,12 @@ def markdown(result: dict) -> str:
              "| context | logged plain tok/s | logged drafted tok/s | ratio | drafted rounds | probes' loss | other drafted rounds' loss |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def cell(s: dict, percent: bool) -> str:
-        form = "{:.1%}" if percent else "{:.3f}x"
-        return f"{form.format(s['median'])} [{form.format(s['min'])}-{form.format(s['max'])}]"
-
     for context, c in result["contexts"].items():
-        lines.append(f"| {context} | {c['plain_tps']:.1f} | {c['drafted_tps']:.1f} | {cell(c['ratio'], False)} | "
-                     f"{cell(c['drafted_share'], True)} | {cell(c['probe_loss'], True)} | {cell(c['drafted_loss'], True)} |")
+        lines.append(f"| {context} | {c['plain_tps']:.1f} | {c['drafted_tps']:.1f} | "
+                     f"{median_range(c['ratio'], 3, 'x', unit_on_range=True)} | "
+                     f"{median_range(c['drafted_share'], 1, percent=True)} | "
+                     f"{median_range(c['probe_loss'], 1, percent=True)} | "
+                     f"{median_range(c['drafted_loss'], 1, percent=True)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -49,7 +49,7 @@ except ImportError:
 import mlx.core as mx
 
 from bench.kernel_counts import tally
-from bench.provenance import markdown_line, provenance, spread, write_result
+from bench.provenance import markdown_line, median_range, provenance, spread, write_result
 
 REGIMES = ("device", "host input", "cached host input", "scalar host input", "host read", "host input and read")
 WIDTH = 16  # rows per lane: a verify window's bucket
@@ -134,10 +134,10 @@ def markdown(result: dict) -> str:
              f"- {result['iterations']} iterations per regime and turn, {result['turns']} turns; medians over turns [min-max]", "",
              "| regime | kernels per iteration | device us per iteration | wall us per iteration | memory calls per iteration |",
              "|---|---:|---:|---:|---|"]
-    fmt = lambda s: f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
     for name, r in regimes.items():
         calls = ", ".join(f"{k} {v:.2f}" for k, v in r["calls"].items() if v) or "none"
-        lines.append(f"| {name} | {r['kernels']['median']:.1f} | {fmt(r['device_us'])} | {fmt(r['wall_us'])} | {calls} |")
+        lines.append(f"| {name} | {r['kernels']['median']:.1f} | {median_range(r['device_us'], 1)} | "
+                     f"{median_range(r['wall_us'], 1)} | {calls} |")
     kernels = sorted({k for r in regimes.values() for k in r["kernel_us"]})
     lines += ["", "Average device microseconds per kernel:", "",
               "| kernel | " + " | ".join(regimes) + " |", "|---|" + "---:|" * len(regimes)]
