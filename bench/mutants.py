@@ -221,6 +221,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lookup.py",),
     ),
     Mutant(
+        "priced-out-round-drafted",
+        "a round whose every window prices at no draft still runs the drafter and a one-row verify per lane",
+        (Edit("lanes/round.py", "            if not decision.draft or self._priced_out(lanes, eligible):",
+              "            if not decision.draft:"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
         "prompt-read-counted-as-round-time",
         "rounds are timed on the clock itself, the host's time reading a prompt's chunk inside their interval "
         "included: plain rounds look as slow as the prompts read beside them",

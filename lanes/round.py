@@ -357,7 +357,7 @@ class RoundRunner:
         decision = None
         if eligible and self.draft_width is None:
             decision = self.guard.decide(len(lanes), context)
-            if not decision.draft:
+            if not decision.draft or self._priced_out(lanes, eligible):
                 eligible = []
         if not eligible:
             return self._plain(lanes, decision, context)
@@ -372,6 +372,18 @@ class RoundRunner:
             self._account(report, decision, context)
             events += drafted
         return events
+
+    def _priced_out(self, lanes: list[Lane], drafting: list[Lane]) -> bool:
+        """Whether a drafted round would verify no draft, known before any proposal is
+        made: where windows are priced ahead of the proposal (by counted survival) and no
+        lane wants a lookup, every drafter window priced at no draft. Such a round is a
+        plain round's tokens at more than its cost (the drafter's forward, a verify of
+        one row per lane that cannot overlap the next): it runs as a plain round, and the
+        guard, whose choice it was, is fed it as that choice's outcome."""
+        if self.price_live:
+            return False
+        drafts = [Draft(None, self._counted(0, lane, self.proposals)) for lane in drafting]
+        return not any(self._price(lanes, drafting, drafts, self._draft_seconds or 0.0)) and not self._lookup_wanted(lanes)
 
     def idle(self) -> None:
         """No lane decodes any more: drop a round still in flight (its lanes all ended)."""

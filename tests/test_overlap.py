@@ -568,3 +568,29 @@ def test_the_guard_is_fed_each_rounds_tokens_counted_at_its_bands_smallest_lane_
         assert seconds == report.seconds
         assert tokens == pytest.approx(report.emitted * token_seconds(report.lanes) / token_seconds(floor))
     assert {r.lanes for r, _ in checked} >= {5, 6} and {r.kind for r, _ in checked} >= {"plain", "drafted"}
+
+
+class DraftsPricedOut(FlatCosts):
+    """A row past each lane's anchor costs a hundred rounds: pricing takes no draft."""
+
+    def curve(self, lanes: int, context_tokens: int):
+        return lambda rows: 1.0 if rows <= lanes else 100.0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-step"])
+def test_a_round_whose_every_window_prices_out_runs_plain(overlap, dense_dir, drafter_dir, plain, monkeypatch):
+    # Priced ahead of the proposal, a round whose every window takes no draft would run
+    # the drafter's forward and a one-row verify per lane for a plain round's tokens: it
+    # runs as a plain round, the drafter never asked, and the guard, whose choice it
+    # was, is fed it.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=4, overlap=overlap)
+    runner = engine.rounds
+    runner.costs = DraftsPricedOut()
+    choices_fed, proposals = [], []
+    runner.guard.record = lambda decision, seconds, tokens: choices_fed.append(decision.draft)
+    propose = runner.drafter.propose
+    monkeypatch.setattr(runner.drafter, "propose", lambda *args, **kwargs: proposals.append(1) or propose(*args, **kwargs))
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:4]])
+    assert [d.token_ids for d in done] == plain[:4]
+    assert proposals == [] and runner.counters.snapshot()["rounds_by_mode"].get("drafted", 0) == 0
+    assert len(choices_fed) >= MAX_TOKENS - 2 and all(choices_fed)
