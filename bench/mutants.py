@@ -228,6 +228,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_overlap.py",),
     ),
     Mutant(
+        "drafted-round-prices-twice",
+        "a drafted round prices its windows again after the check that some window takes a draft priced them",
+        (Edit("lanes/round.py", "        priced, self._priced = self._priced, None\n        return priced[2] if",
+              "        priced, self._priced = None, None\n        return priced[2] if"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
         "prompt-read-counted-as-round-time",
         "rounds are timed on the clock itself, the host's time reading a prompt's chunk inside their interval "
         "included: plain rounds look as slow as the prompts read beside them",

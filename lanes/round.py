@@ -95,6 +95,10 @@ def chain_pick(params: list[SamplingParams], keys, seen: mx.array | None):
     return pick
 
 
+def lane_ids(lanes: list[Lane]) -> tuple[int, ...]:
+    return tuple(id(lane) for lane in lanes)
+
+
 def packed_taps(pieces: list[tuple[mx.array, int, int]]) -> mx.array:
     """Rows `start..stop-1` of each piece's round taps, one piece after another (lazy):
     one gather where every piece comes from the same round's taps, as after a drafted
@@ -275,6 +279,7 @@ class RoundRunner:
         self._prompt_in_flight: PromptRead | None = None  # the last chunk launched that the host has not waited for
         self._behind_prompt = False  # a chunk was launched since the last round was (`_launched_behind_prompt`)
         self._prompt_seconds = 0.0  # the host's time reading prompts (building chunks, waiting for them): not rounds' time
+        self._priced = None  # this round's lanes, drafting lanes and depths, as `_priced_out` priced them
 
     def start_learning(self) -> None:
         """Forget what drafted rounds taught: confidence calibration, counted chances, the
@@ -354,7 +359,7 @@ class RoundRunner:
     def run(self, lanes: list[Lane]) -> list[tuple[Lane, LaneEvent]]:
         context = max(lane.context for lane in lanes)
         eligible = [lane for lane in lanes if lane.drafter_slot is not None and lane.remaining > 1]
-        decision = None
+        decision, self._priced = None, None
         if eligible and self.draft_width is None:
             decision = self.guard.decide(len(lanes), context)
             if not decision.draft or self._priced_out(lanes, eligible):
@@ -379,11 +384,21 @@ class RoundRunner:
         lane wants a lookup, every drafter window priced at no draft. Such a round is a
         plain round's tokens at more than its cost (the drafter's forward, a verify of
         one row per lane that cannot overlap the next): it runs as a plain round, and the
-        guard, whose choice it was, is fed it as that choice's outcome."""
+        guard, whose choice it was, is fed it as that choice's outcome. The depths are
+        kept for the drafted round that follows (`_priced_before`)."""
         if self.price_live:
             return False
         drafts = [Draft(None, self._counted(0, lane, self.proposals)) for lane in drafting]
-        return not any(self._price(lanes, drafting, drafts, self._draft_seconds or 0.0)) and not self._lookup_wanted(lanes)
+        depths = self._price(lanes, drafting, drafts, self._draft_seconds or 0.0)
+        self._priced = (lane_ids(lanes), lane_ids(drafting), depths)
+        return not any(depths) and not self._lookup_wanted(lanes)
+
+    def _priced_before(self, lanes: list[Lane], drafting: list[Lane]) -> list[int] | None:
+        """The depths `_priced_out` found this round for these lanes' drafter windows, if
+        it priced them (pricing 16 lanes' windows takes a few hundred microseconds of the
+        host's time, which bounds a round on a GPU)."""
+        priced, self._priced = self._priced, None
+        return priced[2] if priced is not None and priced[:2] == (lane_ids(lanes), lane_ids(drafting)) else None
 
     def idle(self) -> None:
         """No lane decodes any more: drop a round still in flight (its lanes all ended)."""
@@ -711,8 +726,11 @@ class RoundRunner:
         proposal = self.drafter.propose([lanes[i].drafter_slot for i in drafting], proposed_after, g, pick, chain_logits=False,
                                         confidences=False, at=at)
         draft_seconds = self._draft_seconds = self._now() - started
-        priced = self._price(lanes, [lanes[i] for i in drafting],
-                             [Draft(None, self._counted(0, lanes[i], g), row=r) for r, i in enumerate(drafting)], draft_seconds)
+        drafting_lanes = [lanes[i] for i in drafting]
+        priced = self._priced_before(lanes, drafting_lanes)
+        if priced is None:
+            priced = self._price(lanes, drafting_lanes, [Draft(None, self._counted(0, lane, g)) for lane in drafting_lanes],
+                                 draft_seconds)
         depths = [0] * n
         for i, depth in zip(drafting, priced):
             depths[i] = depth
@@ -816,7 +834,9 @@ class RoundRunner:
         drafts, proposal = self._draft(lanes, drafting)
         ends.append(self._now())
         draft_seconds = ends[-1] - started
-        depths = self._price(lanes, drafting, drafts, draft_seconds)
+        depths = None if any(d.ngram for d in drafts) else self._priced_before(lanes, drafting)
+        if depths is None:
+            depths = self._price(lanes, drafting, drafts, draft_seconds)
         windows = self._windows(lanes, drafting, drafts, depths)
         ends.append(self._now())
         out, choices = self._verify(lanes, windows, drafting, drafts, proposal)

@@ -594,3 +594,18 @@ def test_a_round_whose_every_window_prices_out_runs_plain(overlap, dense_dir, dr
     assert [d.token_ids for d in done] == plain[:4]
     assert proposals == [] and runner.counters.snapshot()["rounds_by_mode"].get("drafted", 0) == 0
     assert len(choices_fed) >= MAX_TOKENS - 2 and all(choices_fed)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-step"])
+def test_a_drafted_round_prices_its_windows_once(overlap, dense_dir, drafter_dir, plain, monkeypatch):
+    # The check that a round's windows take some draft prices them; the round reuses
+    # those depths rather than pricing the same windows again.
+    engine = engine_for(dense_dir, drafter_dir, sequences_of(PROMPTS, plain), lanes=4, overlap=overlap)
+    runner = engine.rounds
+    priced = []
+    price = runner._price
+    monkeypatch.setattr(runner, "_price", lambda *args: priced.append(1) or price(*args))
+    done = engine.generate([Request(p, MAX_TOKENS) for p in PROMPTS[:4]])
+    assert [d.token_ids for d in done] == plain[:4]
+    drafted = runner.counters.snapshot()["rounds_by_mode"]["drafted"]
+    assert drafted >= 8 and len(priced) <= drafted + 4  # repriced only where a lane ends or leaves the drafting
