@@ -9,7 +9,8 @@ append of anchor + accepted rows), emit, and record what the round cost.
 A drafted round reads the device once: the drafter's proposal flows into the verify
 forward on the device and is read with the target's choices. Pricing then cannot see
 this round's confidences, so it prices the drafter's windows by survival counted per
-position and context band instead (and the drafter leaves its confidences out); where a verify's cost
+position and context band instead (and the drafter leaves its confidences out), before
+the drafter runs: a round whose every window takes no draft runs plain. Where a verify's cost
 grows with its rows (`price_live`, by default where shapes are not padded to steady
 buckets) the round reads the proposal first and prices from its calibrated confidences,
 at the cost of a second sync.
