@@ -235,6 +235,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_overlap.py",),
     ),
     Mutant(
+        "priced-depths-outlive-a-landing",
+        "depths priced before a round in flight lands are reused after it: a window may take a draft more than its "
+        "lane has room for",
+        (Edit("lanes/round.py", "        self._inflight, self._priced = None, None  # the lanes moved on",
+              "        self._inflight = None  # the lanes moved on"),),
+        ("tests/test_overlap.py",),
+    ),
+    Mutant(
         "prompt-read-counted-as-round-time",
         "rounds are timed on the clock itself, the host's time reading a prompt's chunk inside their interval "
         "included: plain rounds look as slow as the prompts read beside them",

@@ -573,7 +573,7 @@ class RoundRunner:
             events = self._land_drafted(self._inflight, 0.0)
         else:
             events, _ = self._land(self._inflight)
-        self._inflight = None
+        self._inflight, self._priced = None, None  # the lanes moved on: what was priced before is priced afresh
         return events
 
     def _round_seconds(self, dispatch: PlainDispatch | DraftedDispatch, pipelined: bool) -> float:

@@ -609,3 +609,27 @@ def test_a_drafted_round_prices_its_windows_once(overlap, dense_dir, drafter_dir
     assert [d.token_ids for d in done] == plain[:4]
     drafted = runner.counters.snapshot()["rounds_by_mode"]["drafted"]
     assert drafted >= 8 and len(priced) <= drafted + 4  # repriced only where a lane ends or leaves the drafting
+
+
+
+def test_depths_priced_before_a_round_lands_are_priced_afresh_after(tmp_path, monkeypatch):
+    # In step, rounds switching between plain and drafted land a plain round between the
+    # check that prices a drafted round's windows and that round: the lanes have moved on
+    # by a token, and a window priced before could take a draft more than a lane has room
+    # for. Every window the round verifies fits its lane as the round finds it.
+    target = make_tiny_target(tmp_path / "short", "lfm2", seed=1, shape=TinyShape(max_position=120))
+    drafter = make_tiny_drafter(tmp_path / "drafter", target, seed=5, block_size=9)
+    prompts = [p[:8] for p in PROMPTS[:3]]
+    plain = engine_for(target, lanes=3).generate([Request(p, 24 + 16 * i) for i, p in enumerate(prompts)])
+    engine = engine_for(target, drafter, sequences_of(prompts, [c.token_ids for c in plain]), lanes=3, overlap=False)
+    engine.rounds.guard = EveryThirdPlain()
+    windows, room = RoundRunner._windows, []
+
+    def fitted(lanes, drafting, drafts, depths):
+        room.extend(lane.remaining - 1 - depth for lane, depth in zip(drafting, depths))
+        return windows(lanes, drafting, drafts, depths)
+
+    monkeypatch.setattr(RoundRunner, "_windows", staticmethod(fitted))
+    done = engine.generate([Request(p, 24 + 16 * i) for i, p in enumerate(prompts)])
+    assert [d.token_ids for d in done] == [c.token_ids for c in plain]
+    assert len(room) >= 10 and min(room) >= 0 and 0 in room  # some window filled its lane's room exactly
