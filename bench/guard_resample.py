@@ -103,7 +103,7 @@ def markdown(result: dict) -> str:
 
     for context, c in result["contexts"].items():
         lines.append(f"| {context} | {c['plain_tps']:.1f} | {c['drafted_tps']:.1f} | "
-                     f"{median_range(c['ratio'], 3, 'x', unit_on_range=True)} | "
+                     f"{median_range(c['ratio'], 3, 'x')} | "
                      f"{median_range(c['drafted_share'], 1, percent=True)} | "
                      f"{median_range(c['probe_loss'], 1, percent=True)} | "
                      f"{median_range(c['drafted_loss'], 1, percent=True)} |")

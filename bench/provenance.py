@@ -134,16 +134,13 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def median_range(summary: dict, digits: int = 2, unit: str = "", *, scale: float = 1.0,
-                 percent: bool = False, unit_on_range: bool = False) -> str:
+def median_range(summary: dict, digits: int = 2, unit: str = "", *, scale: float = 1.0, percent: bool = False) -> str:
     """A `spread` as the reports print it, "MEDIAN [MIN-MAX]": each figure times `scale` with
-    `digits` decimals (as a percentage with `percent`), `unit` after the median only, or after
-    all three with `unit_on_range`. {"median": 1.234, "min": 1.1, "max": 1.4} with unit "x"
-    gives "1.23x [1.10-1.40]"."""
+    `digits` decimals (as a percentage with `percent`), `unit` after the median only.
+    {"median": 1.234, "min": 1.1, "max": 1.4} with unit "x" gives "1.23x [1.10-1.40]"."""
     kind = "%" if percent else "f"
     figure = lambda key: f"{summary[key] * scale:.{digits}{kind}}"
-    bound_unit = unit if unit_on_range else ""
-    return f"{figure('median')}{unit} [{figure('min')}{bound_unit}-{figure('max')}{bound_unit}]"
+    return f"{figure('median')}{unit} [{figure('min')}-{figure('max')}]"
 
 
 def write_result(out: str | Path, name: str, result: dict, markdown: str) -> None:

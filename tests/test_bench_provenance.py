@@ -56,7 +56,6 @@ def test_median_range_formats_a_spread_as_the_reports_print_it():
     s = prov.spread([1.4, 1.234, 1.1])
     assert prov.median_range(s) == "1.23 [1.10-1.40]"
     assert prov.median_range(s, 3, "x") == "1.234x [1.100-1.400]"  # the unit after the median only
-    assert prov.median_range(s, 1, "x", unit_on_range=True) == "1.2x [1.1x-1.4x]"
     assert prov.median_range(prov.spread([0.0125, 0.002, 0.5]), 1, scale=1e3) == "12.5 [2.0-500.0]"
     assert prov.median_range(prov.spread([0.25, 0.125, 0.5]), 0, percent=True) == "25% [12%-50%]"
     assert prov.median_range(prov.spread([0.25, 0.125, 0.5]), 1, percent=True) == "25.0% [12.5%-50.0%]"
